@@ -1,0 +1,119 @@
+"""The public Python API: load a target, build a generator, generate or stream."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from specdecode.core.sampling import SamplingConfig
+from specdecode.engine import Decoder, GenerationConfig, GenerationResult
+from specdecode.errors import ConfigError, InputError
+from specdecode.models.loading import LoadedModel, check_compatible, load_model
+from specdecode.proposers import DraftModelProposer, NgramProposer
+from specdecode.proposers.base import Proposer
+
+METHODS = ("none", "draft", "ngram")
+
+
+def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | None = None, **options: Any) -> Proposer | None:
+    """The proposer for ``method``; ``draft`` is a loaded model or a path for ``method="draft"``."""
+    if method == "none":
+        return None
+    if method == "ngram":
+        return NgramProposer(**options)
+    if method == "draft":
+        if draft is None:
+            raise ConfigError("method 'draft' needs a draft model (--draft PATH)")
+        if not isinstance(draft, LoadedModel):
+            draft = load_model(draft, dtype=options.pop("dtype", "float32"))
+        check_compatible(target, draft)
+        return DraftModelProposer(draft.model, **options)
+    raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+class SpeculativeGenerator:
+    """Generate text from a target with a speculative method; outputs match the target's.
+
+    >>> target = load_model()                                   # the embedded SmolLM2-135M
+    >>> gen = SpeculativeGenerator(target, method="ngram", k=4)
+    >>> out = gen.generate("Name three colours.", max_new_tokens=32)
+    >>> out.text, out.token_ids, out.stats["mean_accepted_length"]
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel | str | os.PathLike | None = None,
+        *,
+        method: str = "ngram",
+        k: int = 4,
+        draft: LoadedModel | str | os.PathLike | None = None,
+        **proposer_options: Any,
+    ) -> None:
+        self.target = target if isinstance(target, LoadedModel) else load_model(target)
+        proposer = make_proposer(method, self.target, draft, **proposer_options)
+        self.decoder = Decoder(
+            self.target.model,
+            proposer,
+            k,
+            eos_token_ids=self.target.eos_token_ids,
+            tokenizer=self.target.tokenizer,
+        )
+
+    def encode(self, prompt: str | list[int], chat: bool | None = None) -> list[int]:
+        """Token ids for ``prompt``; text gets the chat template when the model has one."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InputError("empty prompt")
+            tok = self.target.tokenizer
+            if chat is None:
+                chat = bool(getattr(tok, "chat_template", None))
+            if chat:
+                messages = [{"role": "user", "content": prompt}]
+                return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+            return list(tok.encode(prompt))
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise InputError("empty prompt")
+        return ids
+
+    def generate(self, prompt: str | list[int], **kwargs: Any) -> GenerationResult:
+        """Generate a completion; keyword names follow transformers' ``generate``.
+
+        Accepts ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``min_p``, ``stop_strings``, ``seed`` and ``chat``. Greedy unless sampling is asked for.
+        """
+        ids, config = self._prepare(prompt, **kwargs)
+        return self.decoder.generate(ids, config)
+
+    def stream(self, prompt: str | list[int], **kwargs: Any) -> Iterator[str]:
+        """Yield text pieces as tokens commit (same arguments as :meth:`generate`)."""
+        ids, config = self._prepare(prompt, **kwargs)
+        for event in self.decoder.run(ids, config):
+            if event.text:
+                yield event.text
+
+    def _prepare(
+        self,
+        prompt: str | list[int],
+        *,
+        max_new_tokens: int = 128,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        stop_strings: tuple[str, ...] | list[str] | str = (),
+        seed: int | None = None,
+        chat: bool | None = None,
+    ) -> tuple[list[int], GenerationConfig]:
+        if do_sample is None:
+            do_sample = bool(temperature)
+        temp = 0.0 if not do_sample else (1.0 if temperature is None else float(temperature))
+        if isinstance(stop_strings, str):
+            stop_strings = (stop_strings,)
+        sampling = SamplingConfig(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop_strings), seed=seed
+        )
+        return self.encode(prompt, chat), config

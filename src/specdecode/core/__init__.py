@@ -1,0 +1,1 @@
+"""Pure tensor math: logit processing, exact verification, tree masks. No model imports."""

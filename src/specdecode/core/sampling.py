@@ -1,0 +1,72 @@
+"""Logit processing shared by target and draft, so p and q see the same transformations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling settings, named as in transformers' ``generate``; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables nucleus filtering
+    min_p: float = 0.0  # 0.0 disables min-p filtering
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ConfigError(f"min_p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masking (removed entries become -inf).
+
+    ``logits``: [..., vocab]. Returns float32 logits of the same shape.
+    """
+    x = logits.float() / cfg.temperature
+    vocab = x.shape[-1]
+    if 0 < cfg.top_k < vocab:
+        kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = torch.softmax(sorted_x, dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the top token stays.
+        drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    if cfg.min_p > 0.0:
+        p = torch.softmax(x, dim=-1)
+        x = x.masked_fill(p < cfg.min_p * p.amax(dim=-1, keepdim=True), float("-inf"))
+    return x
+
+
+def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Next-token distributions after processing; greedy gives the one-hot argmax.
+
+    ``logits``: [..., vocab] -> float32 probabilities [..., vocab].
+    """
+    if cfg.greedy:
+        top = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros(logits.shape, dtype=torch.float32).scatter_(-1, top, 1.0)
+    return torch.softmax(filter_logits(logits, cfg), dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of ``probs`` [batch, vocab] -> [batch] int64."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

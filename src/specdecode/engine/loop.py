@@ -1,0 +1,184 @@
+"""Speculative decoding for one request: the same loop drives every proposer and plain decoding."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdecode.core.sampling import SamplingConfig, logits_to_probs
+from specdecode.core.verify import Draft, Verification, verify_greedy, verify_sampling
+from specdecode.engine.output import OutputTracker
+from specdecode.errors import ConfigError, InputError
+from specdecode.metrics import RequestMetrics
+from specdecode.models.base import CausalLM, KVCache
+from specdecode.proposers.base import Proposer
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Per-request settings."""
+
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """Tokens committed by one round and the text they completed."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: dict[str, Any]
+    finish_reason: str  # "eos", "stop" or "length"
+
+
+class Decoder:
+    """Drives a target model with an optional proposer; ``proposer=None`` is plain decoding."""
+
+    def __init__(
+        self,
+        target: CausalLM,
+        proposer: Proposer | None = None,
+        k: int = 4,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        tokenizer: Any = None,
+    ) -> None:
+        if proposer is not None and (not isinstance(k, int) or k < 1):
+            raise ConfigError(f"k must be an integer >= 1, got {k!r}")
+        self.target = target
+        self.proposer = proposer
+        self.k = k if proposer is not None else 0
+        self.method = proposer.name if proposer is not None else "none"
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+
+    def run(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> "DecodeRun":
+        return DecodeRun(self, list(prompt_ids), config or GenerationConfig())
+
+    def generate(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> GenerationResult:
+        return self.run(prompt_ids, config).result()
+
+
+class DecodeRun:
+    """One request in flight: iterate for :class:`StreamEvent`; ``result()`` finishes it."""
+
+    def __init__(self, decoder: Decoder, prompt_ids: list[int], config: GenerationConfig) -> None:
+        if not prompt_ids:
+            raise InputError("empty prompt: give at least one token")
+        limit = decoder.target.max_length
+        if len(prompt_ids) + config.max_new_tokens > limit:
+            raise InputError(
+                f"request too long: {len(prompt_ids)} prompt tokens + {config.max_new_tokens} new tokens "
+                f"exceeds the model's limit of {limit}"
+            )
+        self.d, self.config, self.prompt_ids = decoder, config, prompt_ids
+        self.metrics = RequestMetrics(method=decoder.method, k=decoder.k, prompt_tokens=len(prompt_ids))
+        self.output = OutputTracker(decoder.tokenizer, decoder.eos_token_ids, config)
+        self._events = self._loop()
+        self._result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        return self._events
+
+    def result(self) -> GenerationResult:
+        for _ in self._events:
+            pass
+        assert self._result is not None
+        return self._result
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> Iterator[StreamEvent]:
+        cfg, m = self.config, self.metrics
+        seed = cfg.seed if cfg.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+        start = time.perf_counter()
+        cache = self._prefill()
+        m.prefill_s = time.perf_counter() - start
+        context = list(self.prompt_ids)
+        while not self.output.finished:
+            k = min(self.d.k, cfg.max_new_tokens - self.output.count - 1)
+            draft = self._propose(context, k)
+            logits = self._score(cache, context[-1], draft)
+            verdict = self._accept(draft, logits)
+            committed = verdict.committed(draft)
+            self._trim(cache, int(verdict.num_accepted[0]))
+            m.record_round(draft.k, int(verdict.num_accepted[0]), len(committed))
+            context.extend(committed)
+            event = self._emit(committed)
+            if m.ttft_s == 0.0:
+                m.ttft_s = time.perf_counter() - start
+            if event.token_ids or event.text:
+                yield event
+        m.total_s = time.perf_counter() - start
+        m.new_tokens = self.output.count
+        self._result = GenerationResult(
+            text=self.output.text,
+            token_ids=self.output.token_ids,
+            stats=m.to_dict(),
+            finish_reason=self.output.finish_reason,
+        )
+
+    def _prefill(self) -> KVCache:
+        """Cache the prompt except its last token, which the first round feeds with its drafts."""
+        cache = self.d.target.new_cache(len(self.prompt_ids) + self.config.max_new_tokens + self.d.k + 1)
+        if self.d.proposer is not None:
+            self.d.proposer.reset(self.prompt_ids)
+        if len(self.prompt_ids) > 1:
+            self.d.target.forward(torch.tensor([self.prompt_ids[:-1]], dtype=torch.long), cache)
+        return cache
+
+    def _propose(self, context: list[int], k: int) -> Draft:
+        if self.d.proposer is None or k < 1:
+            return Draft.empty()
+        t = time.perf_counter()
+        draft = self.d.proposer.propose(context, k, self.config.sampling, self.generator)
+        if draft.k > k:  # a proposer may return fewer than k, never more
+            draft = Draft(draft.tokens[:, :k], None if draft.probs is None else draft.probs[:, :k])
+        self.metrics.draft_s += time.perf_counter() - t
+        return draft
+
+    def _score(self, cache: KVCache, last_token: int, draft: Draft) -> torch.Tensor:
+        """One target forward over [last committed token, drafts] -> logits [1, k+1, vocab]."""
+        t = time.perf_counter()
+        ids = torch.cat([torch.tensor([[last_token]], dtype=torch.long), draft.tokens], dim=1)
+        self._base = cache.length
+        logits = self.d.target.forward(ids, cache)
+        self.metrics.verify_s += time.perf_counter() - t
+        return logits
+
+    def _accept(self, draft: Draft, logits: torch.Tensor) -> Verification:
+        t = time.perf_counter()
+        sampling = self.config.sampling
+        if sampling.greedy:
+            verdict = verify_greedy(draft, logits)
+        else:
+            verdict = verify_sampling(draft, logits_to_probs(logits, sampling), self.generator)
+        self.metrics.verify_s += time.perf_counter() - t
+        return verdict
+
+    def _trim(self, cache: KVCache, num_accepted: int) -> None:
+        """Keep the fed last token and the accepted drafts; drop the rejected suffix."""
+        cache.trim(self._base + 1 + num_accepted)
+        if self.d.proposer is not None:
+            self.d.proposer.observe(num_accepted)
+
+    def _emit(self, committed: list[int]) -> StreamEvent:
+        return self.output.add(committed)

@@ -1,0 +1,44 @@
+"""Prompt lookup: find the latest earlier occurrence of the last n-gram and propose what followed."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdecode.core.sampling import SamplingConfig
+from specdecode.core.verify import Draft
+from specdecode.errors import ConfigError
+
+
+class NgramProposer:
+    """Deterministic drafts from prompt + output so far; longest n first (Saxena 2023)."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def propose(
+        self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Draft:
+        return Draft(tokens=torch.tensor([lookup(context, k, self.max_ngram, self.min_ngram)], dtype=torch.long))
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+
+def lookup(context: list[int], k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
+    """Up to ``k`` tokens that followed the most recent earlier match of the context's tail."""
+    seq = np.asarray(context, dtype=np.int64)
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # drop the tail itself
+        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return seq[start : start + k].tolist()
+    return []
