@@ -94,3 +94,18 @@ def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verification:
     num_accepted = match.long().cumprod(dim=-1).sum(dim=-1)
     next_token = best[torch.arange(batch), num_accepted]
     return Verification(num_accepted=num_accepted, next_token=next_token)
+
+
+def reference_output_distribution(p: list, q: list) -> list:
+    """Exact law of the token one verification step emits for a single draft x ~ q.
+
+    Pure Python over any field (use ``fractions.Fraction`` for exact checks): accept x with
+    probability min(1, p(x)/q(x)); otherwise draw from norm(max(p - q, 0)), falling back to p
+    when that mass is zero. Speculative sampling is exact when the result equals ``p``.
+    """
+    accept = [min(qi, pi) for pi, qi in zip(p, q)]  # q(x) * min(1, p(x)/q(x))
+    reject_mass = 1 - sum(accept)
+    residual = [max(pi - qi, 0) for pi, qi in zip(p, q)]
+    mass = sum(residual)
+    resample = [r / mass for r in residual] if mass > 0 else list(p)
+    return [a + reject_mass * r for a, r in zip(accept, resample)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -46,6 +48,9 @@ class HFCausalLM:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = int(getattr(model.config, "max_position_embeddings", 1 << 20))
         self.dtype = next(model.parameters()).dtype
+        # transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def new_cache(self, max_length: int) -> HFCache:
         return HFCache(self.model)
@@ -58,8 +63,8 @@ class HFCausalLM:
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
-            past_key_values=cache.inner,
             use_cache=True,
+            **{self._cache_kwarg: cache.inner},
         )
         cache._length = start + n
         return out.logits.float()

@@ -130,9 +130,11 @@ def load_model(
 
 def _load_transformers(model_dir: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from specdecode.models.hf import HFCausalLM
 
+    hf_logging.disable_progress_bar()  # converted checkpoints load in a second; no bar needed
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -1,0 +1,131 @@
+"""Command line: ``specdecode generate | demo | bench-decode``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from specdecode.errors import SpecDecodeError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="transformers folder or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
+
+
+def _generate_parser(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt")
+    p.add_argument("prompt")
+    _add_model_args(p)
+    p.add_argument("--method", choices=["none", "draft", "ngram"], default="ngram")
+    p.add_argument("--draft", default=None, help="draft model folder or .gguf (method 'draft')")
+    p.add_argument("--k", type=_positive_int, default=4, help="draft tokens per round")
+    p.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--stream", action="store_true", help="print text as tokens commit")
+    p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"}')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Exact speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    demo = sub.add_parser("demo", help="plain vs speculative decoding on the embedded model")
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    demo.add_argument("--k", type=_positive_int, default=4)
+    demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    sub.add_parser("bench-decode", help="plain decode speed vs transformers (see --help)", add_help=False)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdecode.api import SpeculativeGenerator
+    from specdecode.errors import InputError
+    from specdecode.models.loading import load_model
+
+    if not args.prompt.strip():
+        raise InputError("empty prompt")
+    target = load_model(args.target, dtype=args.dtype, backend=args.backend)
+    gen = SpeculativeGenerator(target, method=args.method, k=args.k, draft=args.draft)
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop_strings=tuple(args.stop),
+        chat=False if args.no_chat else None,
+    )
+    if args.stream and not args.json:
+        for piece in gen.stream(args.prompt, **kwargs):
+            print(piece, end="", flush=True)
+        print()
+        return 0
+    out = gen.generate(args.prompt, **kwargs)
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
+    else:
+        print(out.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if argv[:1] == ["bench-decode"]:
+        from specdecode.bench import decode
+
+        return _guard(lambda: decode.main(argv[1:]))
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from specdecode.demo import run_demo
+
+        return _guard(lambda: run_demo(args))
+    return _guard(lambda: cmd_generate(args))
+
+
+def _guard(fn: Any) -> int:
+    """Run a command; user errors become one line on stderr and exit status 2."""
+    try:
+        return int(fn() or 0)
+    except SpecDecodeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Statistical conformance: speculative sampling must reproduce the target's sequence law exactly.
+
+Tiny models with enumerable outputs (vocab 5-6, 3-4 new tokens); 20,000 sampled sequences per
+case; Pearson chi-square at significance level ALPHA = 0.001. Every broken verifier below must be
+rejected by the same test, so the test is shown able to fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import ALPHA, MarkovLM, chi_square_pvalue, sample_sequences, sequence_law, tiny_llama
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
+from specdecode.core.verify import Draft, Verification, draft_probs_or_onehot
+from specdecode.engine import Decoder
+from specdecode.proposers import DraftModelProposer, NgramProposer
+
+N_SAMPLES = 20_000
+PROMPT = [1, 2, 3, 1, 2, 0, 1]  # repeats, so n-gram lookup finds matches
+
+SAMPLINGS = {
+    "t0.5": SamplingConfig(temperature=0.5),
+    "t1.0": SamplingConfig(temperature=1.0),
+    "t1.5": SamplingConfig(temperature=1.5),
+    "t1.0-topk3": SamplingConfig(temperature=1.0, top_k=3),
+    "t0.8-topp0.8": SamplingConfig(temperature=0.8, top_p=0.8),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny tensors: a second intra-op thread only adds synchronisation cost.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def markov_pair():
+    return MarkovLM(5, seed=11), MarkovLM(5, seed=12, sharpness=1.0)
+
+
+def conformance_pvalue(target, proposer, sampling: SamplingConfig, k: int = 3, n_new: int = 4) -> float:
+    decoder = Decoder(target, proposer, k=k)
+    counts = sample_sequences(decoder, PROMPT, n_new, sampling, N_SAMPLES)
+    return chi_square_pvalue(counts, sequence_law(target, PROMPT, n_new, sampling))
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_draft_model_proposer_is_exact(name):
+    target, draft = markov_pair()
+    assert conformance_pvalue(target, DraftModelProposer(draft), SAMPLINGS[name]) > ALPHA
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_ngram_proposer_is_exact(name):
+    target, _ = markov_pair()
+    assert conformance_pvalue(target, NgramProposer(), SAMPLINGS[name]) > ALPHA
+
+
+def test_tiny_transformer_draft_is_exact():
+    target, draft = tiny_llama(vocab=5, seed=0), tiny_llama(vocab=5, seed=1)
+    sampling = SamplingConfig(temperature=1.0, top_k=4)
+    assert conformance_pvalue(target, DraftModelProposer(draft), sampling, k=2, n_new=3) > ALPHA
+
+
+def test_tiny_transformer_ngram_is_exact():
+    target = tiny_llama(vocab=5, seed=2)
+    sampling = SamplingConfig(temperature=0.7, top_p=0.9)
+    assert conformance_pvalue(target, NgramProposer(), sampling, k=2, n_new=3) > ALPHA
+
+
+# -- broken variants: the same test must catch each ----------------------------------------------
+
+
+def _broken_verify(no_residual: bool = False, bonus_from_draft: bool = False):
+    """A verifier with one deliberate bug, same signature as ``verify_sampling``."""
+
+    def verify(draft: Draft, target_probs: torch.Tensor, generator=None) -> Verification:
+        k, vocab = draft.k, target_probs.shape[-1]
+        q = draft_probs_or_onehot(draft, vocab)[0]
+        p = target_probs[0]
+        for i in range(k):
+            x = int(draft.tokens[0, i])
+            if torch.rand(1, generator=generator).item() * q[i, x] >= p[i, x]:
+                dist = p[i] if no_residual else (p[i] - q[i]).clamp_min(0)
+                return Verification(torch.tensor([i]), sample(dist.unsqueeze(0) / dist.sum(), generator))
+        bonus = q[k - 1] if bonus_from_draft and k > 0 else p[k]
+        return Verification(torch.tensor([k]), sample(bonus.unsqueeze(0), generator))
+
+    return verify
+
+
+class WrongTemperatureDraft(DraftModelProposer):
+    """Samples drafts at the request's temperature but reports q at temperature 1."""
+
+    def propose(self, context, k, sampling, generator):
+        logits = self._sync(context)
+        tokens, probs = [], []
+        for i in range(k):
+            x = sample(logits_to_probs(logits, sampling), generator)
+            tokens.append(x)
+            probs.append(logits_to_probs(logits, SamplingConfig(temperature=1.0)))
+            if i + 1 < k:
+                logits = self.model.forward(x.view(1, 1), self.cache)[:, -1]
+                self.cached.append(int(x))
+        return Draft(torch.stack(tokens, dim=1), torch.stack(probs, dim=1))
+
+
+@pytest.mark.parametrize("bug", ["no_residual", "bonus_from_draft"])
+def test_broken_verifier_is_caught(bug, monkeypatch):
+    import specdecode.engine.loop as loop
+
+    monkeypatch.setattr(loop, "verify_sampling", _broken_verify(**{bug: True}))
+    target, draft = markov_pair()
+    assert conformance_pvalue(target, DraftModelProposer(draft), SAMPLINGS["t1.0"]) < ALPHA
+
+
+def test_broken_ngram_residual_is_caught(monkeypatch):
+    import specdecode.engine.loop as loop
+
+    monkeypatch.setattr(loop, "verify_sampling", _broken_verify(no_residual=True))
+    target, _ = markov_pair()
+    assert conformance_pvalue(target, NgramProposer(), SAMPLINGS["t1.0"]) < ALPHA
+
+
+def test_draft_probabilities_at_wrong_temperature_are_caught():
+    target, draft = markov_pair()
+    assert conformance_pvalue(target, WrongTemperatureDraft(draft), SAMPLINGS["t0.5"]) < ALPHA

@@ -1,0 +1,121 @@
+"""Shared test fixtures: enumerable tiny models, exact sequence laws, and a chi-square check."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import torch
+from scipy import stats
+
+from specdecode.core.sampling import SamplingConfig, logits_to_probs
+from specdecode.engine import Decoder, GenerationConfig
+from specdecode.models.base import check_trim
+
+ALPHA = 1e-3  # significance level of every conformance test in this suite
+
+
+class TokenCache:
+    """Cache of a table model: just the tokens, under the shared trim contract."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def trim(self, length: int) -> None:
+        check_trim(self, length)
+        del self.tokens[length:]
+
+
+class MarkovLM:
+    """A second-order Markov chain given by a logit table [vocab, vocab, vocab]."""
+
+    backend = "table"
+
+    def __init__(self, vocab: int, seed: int, sharpness: float = 2.0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab, vocab, vocab, generator=g) * sharpness
+        self.vocab_size = vocab
+        self.max_length = 1 << 16
+
+    def new_cache(self, max_length: int) -> TokenCache:
+        return TokenCache()
+
+    def forward(self, input_ids: torch.Tensor, cache: TokenCache) -> torch.Tensor:
+        out = []
+        for tok in input_ids[0].tolist():
+            cache.tokens.append(tok)
+            prev2 = cache.tokens[-2] if len(cache.tokens) > 1 else 0
+            out.append(self.table[prev2, tok])
+        return torch.stack(out).unsqueeze(0)
+
+
+def tiny_llama(vocab: int = 6, seed: int = 0, layers: int = 2):
+    """A tiny random transformers Llama wrapped in the adapter (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdecode.models.hf import HFCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        initializer_range=0.5, tie_word_embeddings=False,
+    )
+    return HFCausalLM(LlamaForCausalLM(config).eval())
+
+
+def sequence_law(model, prompt: list[int], n_new: int, sampling: SamplingConfig) -> dict[tuple, float]:
+    """Exact probability of every continuation of length ``n_new`` under the target alone."""
+    vocab = model.vocab_size
+    law = {}
+    cond: dict[tuple, torch.Tensor] = {}
+    for length in range(n_new):
+        for prefix in itertools.product(range(vocab), repeat=length):
+            cache = model.new_cache(64)
+            logits = model.forward(torch.tensor([prompt + list(prefix)]), cache)[:, -1]
+            cond[prefix] = logits_to_probs(logits, sampling)[0].double()
+    for seq in itertools.product(range(vocab), repeat=n_new):
+        prob = 1.0
+        for i in range(n_new):
+            prob *= float(cond[seq[:i]][seq[i]])
+        law[seq] = prob
+    return law
+
+
+def sample_sequences(decoder: Decoder, prompt: list[int], n_new: int, sampling: SamplingConfig, n: int, seed: int = 0) -> Counter:
+    counts: Counter = Counter()
+    for i in range(n):
+        cfg = GenerationConfig(max_new_tokens=n_new, sampling=sampling, seed=seed * 1_000_003 + i)
+        counts[tuple(decoder.generate(prompt, cfg).token_ids)] += 1
+    return counts
+
+
+def chi_square_pvalue(counts: Counter, law: dict[tuple, float]) -> float:
+    """Pearson chi-square of observed counts against an exact law; cells with expected < 5 pooled.
+
+    A sample outside the law's support gives p = 0 (an impossible sequence is a hard failure).
+    """
+    n = sum(counts.values())
+    if any(law.get(seq, 0.0) == 0.0 for seq in counts):
+        return 0.0
+    keys = sorted(law, key=law.get, reverse=True)
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for key in keys:
+        e = law[key] * n
+        if e >= 5:
+            obs.append(counts.get(key, 0))
+            exp.append(e)
+        else:
+            pool_o += counts.get(key, 0)
+            pool_e += e
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    exp_arr = np.array(exp)
+    exp_arr *= n / exp_arr.sum()
+    return float(stats.chisquare(np.array(obs), exp_arr).pvalue)
