@@ -119,3 +119,35 @@ def chi_square_pvalue(counts: Counter, law: dict[tuple, float]) -> float:
     exp_arr = np.array(exp)
     exp_arr *= n / exp_arr.sum()
     return float(stats.chisquare(np.array(obs), exp_arr).pvalue)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 bytes + <s>, </s>), built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1}
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), pre_tokenizers.Split("", "isolated")]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def save_tiny_llama(path, seed: int = 0, layers: int = 2) -> None:
+    """A tiny random Llama with the byte-level tokenizer, saved as a transformers folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=0, eos_token_id=1, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
