@@ -70,11 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode.api import SpeculativeGenerator
+    from specdecode.core.sampling import SamplingConfig
     from specdecode.errors import InputError
     from specdecode.models.loading import load_model
 
     if not args.prompt.strip():
         raise InputError("empty prompt")
+    # Validate sampling flags before spending seconds on loading the model.
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     target = load_model(args.target, dtype=args.dtype, backend=args.backend)
     gen = SpeculativeGenerator(target, method=args.method, k=args.k, draft=args.draft)
     kwargs = dict(

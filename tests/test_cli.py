@@ -1,0 +1,77 @@
+"""The command line: bad input gives one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import save_tiny_llama
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["generate", "hi", "--k", "0"], "--k: must be >= 1"),
+        (["generate", "hi", "--k", "two"], "--k: expected an integer"),
+        (["generate", "hi", "--max-new-tokens", "-3"], "--max-new-tokens: must be >= 1"),
+        (["generate", "hi", "--temperature", "-1"], "--temperature: must be >= 0"),
+        (["generate", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["generate", "hi", "--method", "magic"], "invalid choice: 'magic'"),
+        (["generate", "hi", "--target", "/no/such/model"], "model path not found: /no/such/model"),
+        (["generate", "   "], "empty prompt"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, needle):
+    assert_clean_error(run_cli(*args), needle)
+
+
+def test_not_a_model_folder(tmp_path):
+    assert_clean_error(run_cli("generate", "hi", "--target", str(tmp_path)), "no config.json")
+
+
+def test_tiny_model_json_output(tmp_path):
+    save_tiny_llama(tmp_path / "tiny")
+    proc = run_cli("generate", "abcabc", "--target", str(tmp_path / "tiny"), "--no-chat", "--json", "--max-new-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    assert set(record) == {"text", "token_ids", "stats"}
+    for key in ("method", "k", "new_tokens", "target_calls", "drafted_tokens", "accepted_tokens",
+                "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
+                "accepted_length_histogram", "draft_s", "verify_s", "overhead_s", "ttft_s", "tpot_s",
+                "tokens_per_s", "peak_rss_mb"):
+        assert key in record["stats"], key
+    assert record["stats"]["new_tokens"] == len(record["token_ids"]) <= 8
+
+
+def test_method_draft_without_draft_path(tmp_path):
+    save_tiny_llama(tmp_path / "tiny")
+    proc = run_cli("generate", "abc", "--target", str(tmp_path / "tiny"), "--method", "draft")
+    assert_clean_error(proc, "needs a draft model")
+
+
+def test_oversized_request(tmp_path):
+    save_tiny_llama(tmp_path / "tiny")  # max_position_embeddings = 256
+    proc = run_cli("generate", "abc", "--target", str(tmp_path / "tiny"), "--no-chat", "--max-new-tokens", "1000")
+    assert_clean_error(proc, "request too long")
+
+
+@pytest.mark.slow
+def test_incompatible_draft_vocabulary(tmp_path):
+    save_tiny_llama(tmp_path / "bytes")  # byte-level tokenizer vs SmolLM2's BPE
+    proc = run_cli("generate", "hi", "--method", "draft", "--draft", str(tmp_path / "bytes"))
+    assert_clean_error(proc, "draft tokenizer")
