@@ -63,7 +63,7 @@ def tiny_llama(vocab: int = 6, seed: int = 0, layers: int = 2):
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         initializer_range=0.5, tie_word_embeddings=False,
     )
     return HFCausalLM(LlamaForCausalLM(config).eval())

@@ -8,6 +8,7 @@ from typing import Any
 
 from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, GenerationConfig, GenerationResult
+from specdecode.engine.policy import make_policy
 from specdecode.errors import ConfigError, InputError
 from specdecode.models.loading import LoadedModel, check_compatible, load_model
 from specdecode.proposers import DraftModelProposer, NgramProposer
@@ -46,16 +47,34 @@ class SpeculativeGenerator:
         target: LoadedModel | str | os.PathLike | None = None,
         *,
         method: str = "ngram",
-        k: int = 4,
+        k: int | str = 4,
         draft: LoadedModel | str | os.PathLike | None = None,
+        policy: str | None = None,
+        k_max: int = 8,
+        confidence: float = 0.5,
+        shadow: bool = False,
         **proposer_options: Any,
     ) -> None:
+        """``k="auto"`` (or ``policy="auto"``) lets the cost model pick k in 0..k_max each round;
+        ``policy`` is one of fixed, heuristic (k is the upper bound), confidence (the draft
+        model stops below ``confidence``) or auto. ``shadow=True`` decodes plainly and records
+        the acceptance the method would have had.
+        """
         self.target = target if isinstance(target, LoadedModel) else load_model(target)
+        if k == "auto":
+            policy, k = "auto", k_max
+        policy = policy or "fixed"
+        if policy == "confidence":
+            if method != "draft":
+                raise ConfigError("policy 'confidence' needs a draft model (method 'draft')")
+            proposer_options["confidence_threshold"] = confidence
         proposer = make_proposer(method, self.target, draft, **proposer_options)
         self.decoder = Decoder(
             self.target.model,
             proposer,
-            k,
+            k if isinstance(k, int) else -1,
+            policy=make_policy(policy, k) if proposer is not None else None,
+            shadow=shadow,
             eos_token_ids=self.target.eos_token_ids,
             tokenizer=self.target.tokenizer,
         )

@@ -21,6 +21,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _k_value(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
 def _nonneg_float(text: str) -> float:
     try:
         value = float(text)
@@ -43,7 +47,12 @@ def _generate_parser(sub: Any) -> None:
     _add_model_args(p)
     p.add_argument("--method", choices=["none", "draft", "ngram"], default="ngram")
     p.add_argument("--draft", default=None, help="draft model folder or .gguf (method 'draft')")
-    p.add_argument("--k", type=_positive_int, default=4, help="draft tokens per round")
+    p.add_argument("--k", type=_k_value, default=4, help="draft tokens per round, or 'auto'")
+    p.add_argument("--k-max", type=_positive_int, default=8, help="upper bound for --k auto")
+    p.add_argument("--policy", choices=["fixed", "heuristic", "confidence", "auto"], default=None,
+                   help="how k changes between rounds (default: fixed; auto with --k auto)")
+    p.add_argument("--shadow", action="store_true",
+                   help="decode plainly; record the acceptance the method would have had")
     p.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -79,7 +88,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Validate sampling flags before spending seconds on loading the model.
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     target = load_model(args.target, dtype=args.dtype, backend=args.backend)
-    gen = SpeculativeGenerator(target, method=args.method, k=args.k, draft=args.draft)
+    gen = SpeculativeGenerator(
+        target, method=args.method, k=args.k, k_max=args.k_max, draft=args.draft,
+        policy=args.policy, shadow=args.shadow,
+    )
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

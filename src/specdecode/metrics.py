@@ -20,6 +20,8 @@ class RequestMetrics:
 
     method: str
     k: int
+    policy: str = "fixed"
+    k_history: list[int] = field(default_factory=list)  # drafts requested per round
     prompt_tokens: int = 0
     new_tokens: int = 0
     target_calls: int = 0  # verification forwards (prefill not counted)
@@ -55,6 +57,8 @@ class RequestMetrics:
         return {
             "method": self.method,
             "k": self.k,
+            "policy": self.policy,
+            "k_history": list(self.k_history),
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "target_calls": self.target_calls,

@@ -13,6 +13,8 @@ import torch
 from specdecode.core.sampling import SamplingConfig, logits_to_probs
 from specdecode.core.verify import Draft, Verification, verify_greedy, verify_sampling
 from specdecode.engine.output import OutputTracker
+from specdecode.engine.policy import FixedK, KPolicy
+from specdecode.engine.shadow import ShadowTracker
 from specdecode.errors import ConfigError, InputError
 from specdecode.metrics import RequestMetrics
 from specdecode.models.base import CausalLM, KVCache
@@ -50,7 +52,11 @@ class GenerationResult:
 
 
 class Decoder:
-    """Drives a target model with an optional proposer; ``proposer=None`` is plain decoding."""
+    """Drives a target model with an optional proposer; ``proposer=None`` is plain decoding.
+
+    ``policy`` picks k each round (default: always ``k``). ``shadow=True`` decodes plainly while
+    the proposer still drafts, recording the acceptance speculation would have had.
+    """
 
     def __init__(
         self,
@@ -58,14 +64,20 @@ class Decoder:
         proposer: Proposer | None = None,
         k: int = 4,
         *,
+        policy: KPolicy | None = None,
+        shadow: bool = False,
         eos_token_ids: tuple[int, ...] = (),
         tokenizer: Any = None,
     ) -> None:
         if proposer is not None and (not isinstance(k, int) or k < 1):
             raise ConfigError(f"k must be an integer >= 1, got {k!r}")
+        if shadow and proposer is None:
+            raise ConfigError("shadow mode needs a proposer (a method other than 'none')")
         self.target = target
         self.proposer = proposer
-        self.k = k if proposer is not None else 0
+        self.policy = policy or FixedK(k)
+        self.k = self.policy.k_max if proposer is not None else 0
+        self.shadow = shadow
         self.method = proposer.name if proposer is not None else "none"
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
@@ -90,7 +102,10 @@ class DecodeRun:
                 f"exceeds the model's limit of {limit}"
             )
         self.d, self.config, self.prompt_ids = decoder, config, prompt_ids
-        self.metrics = RequestMetrics(method=decoder.method, k=decoder.k, prompt_tokens=len(prompt_ids))
+        self.metrics = RequestMetrics(
+            method=decoder.method, k=decoder.k, prompt_tokens=len(prompt_ids),
+            policy=decoder.policy.name if decoder.proposer is not None else "none",
+        )
         self.output = OutputTracker(decoder.tokenizer, decoder.eos_token_ids, config)
         self._events = self._loop()
         self._result: GenerationResult | None = None
@@ -114,13 +129,17 @@ class DecodeRun:
         m.prefill_s = time.perf_counter() - start
         context = list(self.prompt_ids)
         while not self.output.finished:
-            k = min(self.d.k, cfg.max_new_tokens - self.output.count - 1)
+            draft_s, verify_s = m.draft_s, m.verify_s
+            k = self._choose_k()
             draft = self._propose(context, k)
             logits = self._score(cache, context[-1], draft)
             verdict = self._accept(draft, logits)
             committed = verdict.committed(draft)
             self._trim(cache, int(verdict.num_accepted[0]))
             m.record_round(draft.k, int(verdict.num_accepted[0]), len(committed))
+            if self.d.proposer is not None and not self.d.shadow:
+                m.k_history.append(draft.k)
+                self.policy.update(draft.k, int(verdict.num_accepted[0]), m.draft_s - draft_s, m.verify_s - verify_s)
             context.extend(committed)
             event = self._emit(committed)
             if m.ttft_s == 0.0:
@@ -129,23 +148,41 @@ class DecodeRun:
                 yield event
         m.total_s = time.perf_counter() - start
         m.new_tokens = self.output.count
+        stats = m.to_dict()
+        if self.shadow is not None:
+            stats.update(self.shadow.stats())
         self._result = GenerationResult(
             text=self.output.text,
             token_ids=self.output.token_ids,
-            stats=m.to_dict(),
+            stats=stats,
             finish_reason=self.output.finish_reason,
         )
+
+    def _choose_k(self) -> int:
+        """This round's draft count: the policy's choice, never past the token budget."""
+        if self.d.proposer is None or self.d.shadow:
+            return 0
+        return max(0, min(self.policy.next_k(), self.config.max_new_tokens - self.output.count - 1))
 
     def _prefill(self) -> KVCache:
         """Cache the prompt except its last token, which the first round feeds with its drafts."""
         cache = self.d.target.new_cache(len(self.prompt_ids) + self.config.max_new_tokens + self.d.k + 1)
+        self.policy = self.d.policy
+        self.policy.reset()
+        self.shadow = None
         if self.d.proposer is not None:
             self.d.proposer.reset(self.prompt_ids)
+            if self.d.shadow:
+                self.shadow = ShadowTracker(self.d.proposer, self.d.k, self.config.sampling)
         if len(self.prompt_ids) > 1:
             self.d.target.forward(torch.tensor([self.prompt_ids[:-1]], dtype=torch.long), cache)
         return cache
 
     def _propose(self, context: list[int], k: int) -> Draft:
+        if self.shadow is not None:
+            t = time.perf_counter()
+            self.shadow.before_round(context, self.generator)
+            self.metrics.draft_s += time.perf_counter() - t
         if self.d.proposer is None or k < 1:
             return Draft.empty()
         t = time.perf_counter()
@@ -169,15 +206,19 @@ class DecodeRun:
         sampling = self.config.sampling
         if sampling.greedy:
             verdict = verify_greedy(draft, logits)
+            probs = None
         else:
-            verdict = verify_sampling(draft, logits_to_probs(logits, sampling), self.generator)
+            probs = logits_to_probs(logits, sampling)
+            verdict = verify_sampling(draft, probs, self.generator)
         self.metrics.verify_s += time.perf_counter() - t
+        if self.shadow is not None:  # plain round: position 0 holds the emitted token's law
+            self.shadow.after_round(None if probs is None else probs[0, 0], int(verdict.next_token[0]))
         return verdict
 
     def _trim(self, cache: KVCache, num_accepted: int) -> None:
         """Keep the fed last token and the accepted drafts; drop the rejected suffix."""
         cache.trim(self._base + 1 + num_accepted)
-        if self.d.proposer is not None:
+        if self.d.proposer is not None and self.shadow is None:
             self.d.proposer.observe(num_accepted)
 
     def _emit(self, committed: list[int]) -> StreamEvent:

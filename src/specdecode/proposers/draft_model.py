@@ -6,16 +6,25 @@ import torch
 
 from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
 from specdecode.core.verify import Draft
+from specdecode.errors import ConfigError
 from specdecode.models.base import CausalLM
 
 
 class DraftModelProposer:
-    """Samples k tokens autoregressively from the draft with the target's sampling settings."""
+    """Samples k tokens autoregressively from the draft with the target's sampling settings.
+
+    ``confidence_threshold`` > 0 stops drafting early once the draft's own top probability
+    (temperature 1, unfiltered) falls below it; exactness is unaffected because the decision
+    depends only on tokens already drafted.
+    """
 
     name = "draft"
 
-    def __init__(self, model: CausalLM, max_length: int | None = None) -> None:
+    def __init__(self, model: CausalLM, max_length: int | None = None, confidence_threshold: float = 0.0) -> None:
+        if not 0.0 <= confidence_threshold < 1.0:
+            raise ConfigError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
         self.model = model
+        self.confidence_threshold = confidence_threshold
         self.max_length = max_length or model.max_length
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys/values sit in the draft cache
@@ -51,6 +60,8 @@ class DraftModelProposer:
         logits = self._sync(context)
         tokens, probs = [], []
         for i in range(k):
+            if i > 0 and self._unsure(logits):
+                break
             q = logits_to_probs(logits, sampling)  # [1, vocab]
             x = q.argmax(-1) if sampling.greedy else sample(q, generator)
             tokens.append(x)
@@ -62,6 +73,11 @@ class DraftModelProposer:
             tokens=torch.stack(tokens, dim=1),  # [1, k]
             probs=None if sampling.greedy else torch.stack(probs, dim=1),  # [1, k, vocab]
         )
+
+    def _unsure(self, logits: torch.Tensor) -> bool:
+        if self.confidence_threshold <= 0.0:
+            return False
+        return float(torch.softmax(logits.float(), dim=-1).max()) < self.confidence_threshold
 
     def observe(self, num_accepted: int) -> None:
         pass  # the next _sync trims whatever the target rejected

@@ -1,0 +1,193 @@
+"""Speculation-length policies: how many tokens to draft next round (0 turns speculation off)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from specdecode.core.cost_model import best_k, predict_tokens_per_s
+from specdecode.errors import ConfigError
+
+POLICIES = ("fixed", "heuristic", "confidence", "auto")
+
+
+class KPolicy(Protocol):
+    name: str
+    k_max: int
+
+    def reset(self) -> None:
+        """Start a new request."""
+        ...
+
+    def next_k(self) -> int:
+        """Drafts to request this round, in 0..k_max."""
+        ...
+
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """Outcome and timing of the round just finished (verify_s: one forward over drafted + 1)."""
+        ...
+
+
+class FixedK:
+    """Always k (the draft model may still stop early when its confidence policy says so)."""
+
+    def __init__(self, k: int, name: str = "fixed") -> None:
+        self.k_max, self.name = k, name
+
+    def reset(self) -> None:
+        pass
+
+    def next_k(self) -> int:
+        return self.k_max
+
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        pass
+
+
+class HeuristicK:
+    """transformers' rule: +2 after a fully accepted round, -1 otherwise (never below 1)."""
+
+    name = "heuristic"
+
+    def __init__(self, k_max: int, k_start: int | None = None) -> None:
+        self.k_max = k_max
+        self.k_start = min(k_start or 4, k_max)
+        self.k = self.k_start
+
+    def reset(self) -> None:
+        self.k = self.k_start
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        if drafted == 0:
+            return
+        self.k = min(self.k + 2, self.k_max) if accepted == drafted else max(self.k - 1, 1)
+
+
+class Costs(Protocol):
+    """Draft seconds per token and target seconds per forward over n tokens."""
+
+    def draft_s_per_token(self) -> float: ...
+
+    def verify_s(self, n_tokens: int) -> float: ...
+
+
+class MeasuredCosts:
+    """Running averages of this request's own timings; unmeasured sizes from a flat-ish curve."""
+
+    def __init__(self, ema: float = 0.3, slope: float = 0.05) -> None:
+        self.ema, self.slope = ema, slope  # slope: assumed extra cost per extra verified token
+        self.draft: float | None = None
+        self.forward: dict[int, float] = {}
+
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        if drafted:
+            self.draft = _ema(self.draft, draft_s / drafted, self.ema)
+        n = drafted + 1
+        self.forward[n] = _ema(self.forward.get(n), verify_s, self.ema)
+
+    def draft_s_per_token(self) -> float:
+        return self.draft if self.draft is not None else 0.1 * self.verify_s(1)
+
+    def verify_s(self, n_tokens: int) -> float:
+        if n_tokens in self.forward:
+            return self.forward[n_tokens]
+        if not self.forward:
+            return 1.0
+        n0 = min(self.forward, key=lambda n: abs(n - n_tokens))  # scale the nearest measurement
+        return self.forward[n0] * (1 + self.slope * (n_tokens - 1)) / (1 + self.slope * (n0 - 1))
+
+
+class AutoK:
+    """Each round, the k in 0..k_max that maximises predicted tokens/s from online estimates.
+
+    Acceptance per position is an EMA of conditional acceptance; k changes only when the
+    predicted gain beats ``margin`` (hysteresis). At k = 0 speculation is off; every
+    ``probe_every`` rounds a short probe re-measures acceptance so it can come back on.
+    """
+
+    name = "auto"
+
+    def __init__(
+        self,
+        k_max: int,
+        *,
+        costs: Costs | None = None,
+        ema: float = 0.3,
+        prior: float = 0.6,
+        margin: float = 0.05,
+        probe_every: int = 8,
+        probe_k: int = 2,
+    ) -> None:
+        self.k_max, self.ema, self.prior, self.margin = k_max, ema, prior, margin
+        self.probe_every, self.probe_k = probe_every, min(probe_k, k_max)
+        self.fixed_costs = costs
+        self.reset()
+
+    def reset(self) -> None:
+        self.costs: Costs = self.fixed_costs or MeasuredCosts()
+        self.cond = [self.prior] * self.k_max  # P(accept position i | all before accepted)
+        self.k = min(4, self.k_max)
+        self.off_rounds = 0
+
+    def accept_by_position(self) -> list[float]:
+        cum, run = [], 1.0
+        for a in self.cond:
+            run *= a
+            cum.append(run)
+        return cum
+
+    def rate(self, k: int) -> float:
+        return predict_tokens_per_s(k, self.accept_by_position(), self.costs.draft_s_per_token(), self.costs.verify_s)
+
+    def next_k(self) -> int:
+        if self.k == 0:
+            self.off_rounds += 1
+            if self.off_rounds % self.probe_every == 0:
+                return self.probe_k
+        return self.k
+
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        if isinstance(self.costs, MeasuredCosts):
+            self.costs.observe(drafted, accepted, draft_s, verify_s)
+        judged = min(accepted + 1, drafted)  # positions the target actually judged
+        for i in range(judged):
+            self.cond[i] = _ema(self.cond[i], float(i < accepted), self.ema)
+        for i in range(judged, self.k_max):  # unjudged positions drift toward the last judged one
+            if judged:
+                self.cond[i] = _ema(self.cond[i], self.cond[judged - 1], self.ema)
+        best = best_k(self.k_max, self.accept_by_position(), self.costs.draft_s_per_token(), self.costs.verify_s)
+        if best != self.k and self.rate(best) > (1 + self.margin) * self.rate(self.k):
+            self.k = best
+            self.off_rounds = 0
+
+
+def make_policy(name: str, k_max: int) -> KPolicy:
+    if not isinstance(k_max, int) or k_max < 1:
+        raise ConfigError(f"k must be an integer >= 1, got {k_max!r}")
+    if name in ("fixed", "confidence"):
+        return FixedK(k_max, name)
+    if name == "heuristic":
+        return HeuristicK(k_max)
+    if name == "auto":
+        return AutoK(k_max)
+    raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+def constant_costs(draft_s_per_token: float, verify_s: Callable[[int], float]) -> Costs:
+    """Fixed costs (synthetic timings in tests, or costs measured beforehand by a benchmark)."""
+
+    class _Fixed:
+        def draft_s_per_token(self) -> float:
+            return draft_s_per_token
+
+        def verify_s(self, n_tokens: int) -> float:
+            return verify_s(n_tokens)
+
+    return _Fixed()

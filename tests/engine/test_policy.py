@@ -1,0 +1,139 @@
+"""Speculation-length policies and the cost model, with synthetic timings (no clocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import tiny_llama
+from specdecode.core.cost_model import (
+    best_k,
+    expected_tokens_per_round,
+    iid_expected_tokens,
+    predict_tokens_per_s,
+    predicted_speedup,
+)
+from specdecode.engine import Decoder, GenerationConfig
+from specdecode.engine.policy import AutoK, HeuristicK, constant_costs, make_policy
+from specdecode.errors import ConfigError
+from specdecode.proposers import DraftModelProposer
+
+FLAT = lambda n: 0.010 * (1 + 0.05 * (n - 1))  # target forward: 10 ms, +5% per extra token
+
+
+def test_iid_case_matches_leviathan():
+    a = 0.7
+    cum = [a ** (i + 1) for i in range(6)]
+    for k in range(7):
+        assert expected_tokens_per_round(k, cum) == pytest.approx(iid_expected_tokens(k, a))
+
+
+def test_prediction_from_synthetic_timings():
+    cum = [0.8, 0.6, 0.4]
+    # k = 2: (1 + 0.8 + 0.6) tokens per (2 * 1 ms draft + 11 ms verify over 3 tokens)
+    assert predict_tokens_per_s(2, cum, 0.001, FLAT) == pytest.approx(2.4 / 0.013)
+    assert predict_tokens_per_s(0, cum, 0.001, FLAT) == pytest.approx(100.0)
+    assert predicted_speedup(2, cum, 0.001, FLAT) == pytest.approx(2.4 / 0.013 / 100)
+
+
+def test_cost_table_interpolates():
+    table = {1: 0.010, 5: 0.014}
+    assert predict_tokens_per_s(2, [1.0, 1.0], 0.0, table) == pytest.approx(3 / 0.012)  # c(3) halfway between c(1) and c(5)
+
+
+def test_best_k_is_zero_when_drafts_are_useless_and_large_when_good():
+    assert best_k(8, [0.02, 0.0], 0.002, FLAT) == 0
+    assert best_k(8, [0.98 ** (i + 1) for i in range(8)], 0.0005, FLAT) >= 6
+    assert best_k(8, [0.98 ** (i + 1) for i in range(8)], 0.5, FLAT) == 0  # draft too slow
+
+
+def test_heuristic_grows_after_full_acceptance_and_shrinks_otherwise():
+    policy = HeuristicK(k_max=8)
+    policy.reset()
+    assert policy.next_k() == 4
+    policy.update(4, 4, 0, 0)
+    assert policy.next_k() == 6
+    policy.update(6, 2, 0, 0)
+    assert policy.next_k() == 5
+    for _ in range(10):
+        policy.update(policy.next_k(), 0, 0, 0)
+    assert policy.next_k() == 1
+
+
+def test_auto_turns_off_with_useless_draft_and_back_on_when_it_improves():
+    policy = AutoK(8, costs=constant_costs(0.001, FLAT), probe_every=4)
+    policy.reset()
+    for _ in range(20):
+        k = policy.next_k()
+        policy.update(k, 0, 0, 0)  # a useless draft: nothing accepted
+    assert policy.k == 0
+    ks = []
+    for _ in range(40):
+        k = policy.next_k()
+        ks.append(k)
+        policy.update(k, k, 0, 0)  # the draft became perfect: probes see full acceptance
+    assert policy.k >= 4 and ks[-1] >= 4
+    assert 0 in ks  # it stayed off until a probe saw the change
+
+
+class SwitchingDraft(DraftModelProposer):
+    """A random draft for the first ``switch_after`` proposals, then the target itself."""
+
+    def __init__(self, bad, good, switch_after: int) -> None:
+        super().__init__(bad)
+        self.good, self.calls, self.switch_after = good, 0, switch_after
+
+    def propose(self, context, k, sampling, generator):
+        self.calls += 1
+        if self.calls == self.switch_after:
+            self.model = self.good
+            self.cache, self.cached, self.agreed = self.good.new_cache(256), [], 0
+        return super().propose(context, k, sampling, generator)
+
+
+def test_auto_in_the_decode_loop_goes_to_zero_then_recovers():
+    torch.set_num_threads(1)
+    target, random_draft = tiny_llama(vocab=6, seed=5), tiny_llama(vocab=6, seed=9)
+    policy = AutoK(6, costs=constant_costs(0.001, FLAT), probe_every=4)
+    proposer = SwitchingDraft(random_draft, target, switch_after=12)
+    out = Decoder(target, proposer, policy=policy).generate([1, 2, 3], GenerationConfig(max_new_tokens=150))
+    ks = out.stats["k_history"]
+    assert out.stats["policy"] == "auto"
+    assert 0 in ks, ks                     # switched itself off with the random draft
+    first_off = ks.index(0)
+    assert max(ks[first_off:]) >= 4, ks    # and came back on once the draft was good
+    plain = Decoder(target, None).generate([1, 2, 3], GenerationConfig(max_new_tokens=150))
+    assert out.token_ids == plain.token_ids
+
+
+def test_shadow_mode_records_acceptance_without_speculating():
+    torch.set_num_threads(1)
+    target = tiny_llama(vocab=6, seed=5)
+    cfg = GenerationConfig(max_new_tokens=30)
+    shadow = Decoder(target, DraftModelProposer(target), k=3, shadow=True).generate([1, 2, 3], cfg)
+    plain = Decoder(target, None).generate([1, 2, 3], cfg)
+    assert shadow.token_ids == plain.token_ids
+    assert shadow.stats["target_calls"] == 30 and shadow.stats["drafted_tokens"] == 0
+    assert shadow.stats["shadow_acceptance_rate"] == 1.0  # a self-draft would be fully accepted
+    assert shadow.stats["shadow_mean_accepted_length"] == pytest.approx(4.0, abs=0.5)
+    spec = Decoder(target, DraftModelProposer(tiny_llama(vocab=6, seed=9)), k=3).generate([1, 2, 3], cfg)
+    shadow_bad = Decoder(target, DraftModelProposer(tiny_llama(vocab=6, seed=9)), k=3, shadow=True).generate([1, 2, 3], cfg)
+    # greedy shadow rounds are exactly the speculative rounds
+    assert shadow_bad.stats["shadow_acceptance_rate"] == pytest.approx(spec.stats["acceptance_rate"], abs=0.1)
+
+
+def test_shadow_under_sampling_reports_expected_acceptance():
+    torch.set_num_threads(1)
+    from specdecode.core.sampling import SamplingConfig
+
+    target = tiny_llama(vocab=6, seed=5)
+    cfg = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=1.0), seed=3)
+    out = Decoder(target, DraftModelProposer(target), k=3, shadow=True).generate([1, 2, 3], cfg)
+    assert out.stats["shadow_acceptance_rate"] == pytest.approx(1.0)  # p == q: min(1, p/q) = 1
+
+
+def test_bad_policy_names_and_k():
+    with pytest.raises(ConfigError):
+        make_policy("sometimes", 4)
+    with pytest.raises(ConfigError):
+        make_policy("fixed", 0)
