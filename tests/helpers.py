@@ -30,11 +30,15 @@ class TokenCache:
         check_trim(self, length)
         del self.tokens[length:]
 
+    def compact(self, start: int, keep: list[int]) -> None:
+        self.tokens[start:] = [self.tokens[start + i] for i in keep]
+
 
 class MarkovLM:
     """A second-order Markov chain given by a logit table [vocab, vocab, vocab]."""
 
     backend = "table"
+    supports_tree = True
 
     def __init__(self, vocab: int, seed: int, sharpness: float = 2.0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -45,12 +49,17 @@ class MarkovLM:
     def new_cache(self, max_length: int) -> TokenCache:
         return TokenCache()
 
-    def forward(self, input_ids: torch.Tensor, cache: TokenCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: TokenCache, positions=None, attn_mask=None) -> torch.Tensor:
+        """Logits from the last two tokens each new token attends to (causal unless ``attn_mask``)."""
+        start = cache.length
+        cache.tokens.extend(input_ids[0].tolist())
         out = []
-        for tok in input_ids[0].tolist():
-            cache.tokens.append(tok)
-            prev2 = cache.tokens[-2] if len(cache.tokens) > 1 else 0
-            out.append(self.table[prev2, tok])
+        for i in range(input_ids.shape[1]):
+            row = start + i
+            seen = range(row + 1) if attn_mask is None else [j for j in range(row + 1) if attn_mask[i, j]]
+            history = [cache.tokens[j] for j in seen]
+            prev2 = history[-2] if len(history) > 1 else 0
+            out.append(self.table[prev2, history[-1]])
         return torch.stack(out).unsqueeze(0)
 
 

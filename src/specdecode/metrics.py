@@ -27,7 +27,8 @@ class RequestMetrics:
     target_calls: int = 0  # verification forwards (prefill not counted)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    committed_tokens: int = 0  # before truncation at EOS / stop / max_new_tokens
+    committed_tokens: int = 0
+    tree_nodes: int = 0  # candidate nodes verified in tree rounds  # before truncation at EOS / stop / max_new_tokens
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     histogram: dict[int, int] = field(default_factory=dict)  # accepted drafts per round -> rounds
@@ -65,6 +66,7 @@ class RequestMetrics:
             "target_calls_per_token": _ratio(self.target_calls, self.new_tokens),
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "tree_nodes": self.tree_nodes,
             "acceptance_rate": _ratio(self.accepted_tokens, self.drafted_tokens),
             "mean_accepted_length": _ratio(self.committed_tokens, self.target_calls),
             "per_position_acceptance": [

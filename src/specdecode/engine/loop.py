@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from specdecode.core.sampling import SamplingConfig, logits_to_probs
+from specdecode.core.tree import Tree, verify_tree_greedy, verify_tree_sampling
 from specdecode.core.verify import Draft, Verification, verify_greedy, verify_sampling
 from specdecode.engine.output import OutputTracker
 from specdecode.engine.policy import FixedK, KPolicy
@@ -33,6 +34,17 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Tree drafting: at most ``max_nodes`` candidate nodes per round (depth is bounded by k)."""
+
+    max_nodes: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 1:
+            raise ConfigError(f"max_nodes must be >= 1, got {self.max_nodes}")
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class Decoder:
         *,
         policy: KPolicy | None = None,
         shadow: bool = False,
+        tree: TreeConfig | None = None,
         eos_token_ids: tuple[int, ...] = (),
         tokenizer: Any = None,
     ) -> None:
@@ -73,11 +86,14 @@ class Decoder:
             raise ConfigError(f"k must be an integer >= 1, got {k!r}")
         if shadow and proposer is None:
             raise ConfigError("shadow mode needs a proposer (a method other than 'none')")
+        if tree is not None:
+            _check_tree_support(target, proposer)
         self.target = target
         self.proposer = proposer
         self.policy = policy or FixedK(k)
         self.k = self.policy.k_max if proposer is not None else 0
         self.shadow = shadow
+        self.tree = tree
         self.method = proposer.name if proposer is not None else "none"
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
@@ -87,6 +103,18 @@ class Decoder:
 
     def generate(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> GenerationResult:
         return self.run(prompt_ids, config).result()
+
+
+def _check_tree_support(target: CausalLM, proposer: Proposer | None) -> None:
+    """Refuse tree drafting up front when the proposer or the model cannot do it."""
+    if proposer is None or not hasattr(proposer, "propose_tree"):
+        name = proposer.name if proposer is not None else "none"
+        raise ConfigError(f"method '{name}' cannot draft trees; use a chain (--no-tree)")
+    if not getattr(target, "supports_tree", False):
+        raise ConfigError(
+            f"the {getattr(target, 'backend', 'this')} backend cannot verify trees "
+            "(needs attention masks and cache compaction; the native backend can)"
+        )
 
 
 class DecodeRun:
@@ -131,15 +159,14 @@ class DecodeRun:
         while not self.output.finished:
             draft_s, verify_s = m.draft_s, m.verify_s
             k = self._choose_k()
-            draft = self._propose(context, k)
-            logits = self._score(cache, context[-1], draft)
-            verdict = self._accept(draft, logits)
-            committed = verdict.committed(draft)
-            self._trim(cache, int(verdict.num_accepted[0]))
-            m.record_round(draft.k, int(verdict.num_accepted[0]), len(committed))
+            if self.d.tree is not None and k > 0:
+                committed, drafted, accepted = self._tree_round(cache, context, k)
+            else:
+                committed, drafted, accepted = self._chain_round(cache, context, k)
+            m.record_round(drafted, accepted, len(committed))
             if self.d.proposer is not None and not self.d.shadow:
-                m.k_history.append(draft.k)
-                self.policy.update(draft.k, int(verdict.num_accepted[0]), m.draft_s - draft_s, m.verify_s - verify_s)
+                m.k_history.append(drafted)
+                self.policy.update(drafted, accepted, m.draft_s - draft_s, m.verify_s - verify_s)
             context.extend(committed)
             event = self._emit(committed)
             if m.ttft_s == 0.0:
@@ -163,6 +190,38 @@ class DecodeRun:
         if self.d.proposer is None or self.d.shadow:
             return 0
         return max(0, min(self.policy.next_k(), self.config.max_new_tokens - self.output.count - 1))
+
+    def _chain_round(self, cache: KVCache, context: list[int], k: int) -> tuple[list[int], int, int]:
+        """Propose a chain, verify it in one forward, accept, trim; (committed, drafted, accepted)."""
+        draft = self._propose(context, k)
+        logits = self._score(cache, context[-1], draft)
+        verdict = self._accept(draft, logits)
+        accepted = int(verdict.num_accepted[0])
+        self._trim(cache, accepted)
+        return verdict.committed(draft), draft.k, accepted
+
+    def _tree_round(self, cache: KVCache, context: list[int], k: int) -> tuple[list[int], int, int]:
+        """Propose a tree, verify all branches in one masked forward, compact the accepted path."""
+        t = time.perf_counter()
+        tree = Tree.from_paths(self.d.proposer.propose_tree(context, k, self.d.tree.max_nodes))
+        self.metrics.draft_s += time.perf_counter() - t
+        t = time.perf_counter()
+        base = cache.length
+        ids = torch.cat([torch.tensor([context[-1]]), tree.tokens]).unsqueeze(0)
+        mask = torch.cat([torch.ones(tree.size + 1, base, dtype=torch.bool), tree.attention_mask()], dim=1)
+        logits = self.d.target.forward(ids, cache, positions=(base + tree.depths()).unsqueeze(0), attn_mask=mask)[0]
+        sampling = self.config.sampling
+        if sampling.greedy:
+            verdict = verify_tree_greedy(tree, logits)
+        else:
+            verdict = verify_tree_sampling(tree, logits_to_probs(logits, sampling), self.generator)
+        cache.compact(base, verdict.path)  # the accepted path's keys/values move into place
+        self.metrics.verify_s += time.perf_counter() - t
+        self.metrics.tree_nodes += tree.size
+        accepted = len(verdict.path) - 1
+        self.d.proposer.observe(accepted)
+        depth = int(tree.depths().max()) if tree.size else 0
+        return verdict.committed(tree), depth, accepted
 
     def _prefill(self) -> KVCache:
         """Cache the prompt except its last token, which the first round feeds with its drafts."""

@@ -28,6 +28,10 @@ class NgramProposer:
     ) -> Draft:
         return Draft(tokens=torch.tensor([lookup(context, k, self.max_ngram, self.min_ngram)], dtype=torch.long))
 
+    def propose_tree(self, context: list[int], k: int, max_nodes: int) -> list[list[int]]:
+        """Continuations of several earlier matches (longest n, then latest first) as tree paths."""
+        return lookup_many(context, k, self.max_ngram, self.min_ngram, max_nodes)
+
     def observe(self, num_accepted: int) -> None:
         pass
 
@@ -42,3 +46,22 @@ def lookup(context: list[int], k: int, max_ngram: int, min_ngram: int = 1) -> li
             start = int(hits[-1]) + n
             return seq[start : start + k].tolist()
     return []
+
+
+def lookup_many(context: list[int], k: int, max_ngram: int, min_ngram: int, max_nodes: int) -> list[list[int]]:
+    """Distinct continuations of every earlier match, best first, within ``max_nodes`` tree nodes."""
+    seq = np.asarray(context, dtype=np.int64)
+    paths: list[list[int]] = []
+    prefixes: set[tuple[int, ...]] = set()
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+        for hit in np.flatnonzero((windows == seq[-n:]).all(axis=1))[::-1]:
+            path = seq[hit + n : hit + n + k].tolist()
+            new = [tuple(path[: i + 1]) for i in range(len(path)) if tuple(path[: i + 1]) not in prefixes]
+            if not new:
+                continue
+            if len(prefixes) + len(new) > max_nodes:
+                return paths
+            prefixes.update(new)
+            paths.append(path)
+    return paths

@@ -1,0 +1,91 @@
+"""Tree drafting in the decode loop: greedy identity, sampling conformance, broken variants.
+
+Conformance: 20,000 sequences per case, chi-square at significance level ALPHA = 0.001.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import ALPHA, MarkovLM, chi_square_pvalue, sample_sequences, sequence_law
+from specdecode.core.sampling import SamplingConfig
+from specdecode.core.tree import TreeVerification
+from specdecode.engine import Decoder, GenerationConfig, TreeConfig
+from specdecode.errors import ConfigError
+from specdecode.proposers import NgramProposer
+
+
+PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 0, 1]  # "1 2" is followed by 3, 4 and 0: a branching tree
+N_SAMPLES = 20_000
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tree_pvalue(sampling: SamplingConfig) -> float:
+    target = MarkovLM(5, seed=21)
+    decoder = Decoder(target, NgramProposer(max_ngram=2), k=3, tree=TreeConfig(max_nodes=8))
+    counts = sample_sequences(decoder, PROMPT, 4, sampling, N_SAMPLES)
+    return chi_square_pvalue(counts, sequence_law(target, PROMPT, 4, sampling))
+
+
+def test_ngram_tree_greedy_identical():
+    target = MarkovLM(5, seed=21)
+    cfg = GenerationConfig(max_new_tokens=30)
+    plain = Decoder(target, None).generate(PROMPT, cfg).token_ids
+    out = Decoder(target, NgramProposer(max_ngram=2), k=4, tree=TreeConfig(max_nodes=12)).generate(PROMPT, cfg)
+    assert out.token_ids == plain and out.stats["tree_nodes"] > 0
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_ngram_tree_sampling_is_exact(temperature):
+    assert tree_pvalue(SamplingConfig(temperature=temperature)) > ALPHA
+
+
+def _broken_tree_verify(keep_rejected_siblings: bool = False, resample_from_p: bool = False):
+    def verify(tree, target_probs, generator=None):
+        kids, tokens = tree.children(), tree.tokens.tolist()
+        path = [0]
+        while True:
+            node = path[-1]
+            p = target_probs[node].float()
+            residual = p.clone()
+            for child in kids[node]:
+                x = tokens[child - 1]
+                ref = p if keep_rejected_siblings else residual / residual.sum()
+                if float(torch.rand((), generator=generator)) < float(ref[x]):
+                    path.append(child)
+                    break
+                residual[x] = 0.0
+            else:
+                dist = p if resample_from_p else residual / residual.sum()
+                return TreeVerification(path, int(torch.multinomial(dist, 1, generator=generator)))
+
+    return verify
+
+
+@pytest.mark.parametrize("bug", ["keep_rejected_siblings", "resample_from_p"])
+def test_broken_tree_verifiers_are_caught(bug, monkeypatch):
+    import specdecode.engine.loop as loop
+
+    monkeypatch.setattr(loop, "verify_tree_sampling", _broken_tree_verify(**{bug: True}))
+    assert tree_pvalue(SamplingConfig(temperature=1.0)) < ALPHA
+
+
+def test_tree_refused_for_chain_only_proposer_or_backend():
+    from helpers import tiny_llama
+    from specdecode.proposers import DraftModelProposer
+
+    class ChainOnly:
+        name = "chain-only"
+
+    with pytest.raises(ConfigError, match="cannot draft trees"):
+        Decoder(MarkovLM(5, seed=0), ChainOnly(), k=2, tree=TreeConfig())
+    with pytest.raises(ConfigError, match="cannot verify trees"):
+        Decoder(tiny_llama(), NgramProposer(), k=2, tree=TreeConfig())
