@@ -89,3 +89,65 @@ def test_tree_refused_for_chain_only_proposer_or_backend():
         Decoder(MarkovLM(5, seed=0), ChainOnly(), k=2, tree=TreeConfig())
     with pytest.raises(ConfigError, match="cannot verify trees"):
         Decoder(tiny_llama(), NgramProposer(), k=2, tree=TreeConfig())
+
+
+# -- lookahead (Jacobi side branch in the tree forward) -------------------------------------------
+
+
+def test_lookahead_greedy_identical_and_accepts_on_repetitive_model():
+    from specdecode.proposers.lookahead import LookaheadProposer
+
+    target = MarkovLM(5, seed=21, sharpness=4.0)  # sharp: Jacobi iterates converge quickly
+    cfg = GenerationConfig(max_new_tokens=60)
+    plain = Decoder(target, None).generate(PROMPT, cfg).token_ids
+    out = Decoder(target, LookaheadProposer(window=5, ngram=3), k=4, tree=TreeConfig(max_nodes=12)).generate(PROMPT, cfg)
+    assert out.token_ids == plain
+    assert out.stats["accepted_tokens"] > 0 and out.stats["mean_accepted_length"] > 1.2
+
+
+@pytest.mark.parametrize("temperature", [1.0])
+def test_lookahead_sampling_is_exact(temperature):
+    from specdecode.proposers.lookahead import LookaheadProposer
+
+    target = MarkovLM(5, seed=21)
+    sampling = SamplingConfig(temperature=temperature)
+    decoder = Decoder(target, LookaheadProposer(window=4, ngram=3), k=3, tree=TreeConfig(max_nodes=8))
+    counts = sample_sequences(decoder, PROMPT, 4, sampling, N_SAMPLES)
+    assert chi_square_pvalue(counts, sequence_law(target, PROMPT, 4, sampling)) > ALPHA
+
+
+def test_broken_lookahead_verifier_is_caught(monkeypatch):
+    import specdecode.engine.loop as loop
+    from specdecode.proposers.lookahead import LookaheadProposer
+
+    monkeypatch.setattr(loop, "verify_tree_sampling", _broken_tree_verify(resample_from_p=True))
+    target = MarkovLM(5, seed=21)
+    sampling = SamplingConfig(temperature=1.0)
+    decoder = Decoder(target, LookaheadProposer(window=4, ngram=3), k=3, tree=TreeConfig(max_nodes=8))
+    counts = sample_sequences(decoder, PROMPT, 4, sampling, N_SAMPLES)
+    assert chi_square_pvalue(counts, sequence_law(target, PROMPT, 4, sampling)) < ALPHA
+
+
+# -- draft-model trees (dynamic by cumulative probability, or static rank paths) ------------------
+
+
+@pytest.mark.parametrize("static", [None, [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]])
+def test_draft_tree_greedy_identical(static):
+    from specdecode.proposers import DraftModelProposer
+
+    target, draft = MarkovLM(5, seed=21), MarkovLM(5, seed=22)
+    cfg = GenerationConfig(max_new_tokens=40)
+    plain = Decoder(target, None).generate(PROMPT, cfg).token_ids
+    proposer = DraftModelProposer(draft, branch=2, static_tree=static)
+    out = Decoder(target, proposer, k=3, tree=TreeConfig(max_nodes=10)).generate(PROMPT, cfg)
+    assert out.token_ids == plain and out.stats["tree_nodes"] > 0
+
+
+def test_draft_tree_sampling_is_exact():
+    from specdecode.proposers import DraftModelProposer
+
+    target, draft = MarkovLM(5, seed=21), MarkovLM(5, seed=22, sharpness=1.0)
+    sampling = SamplingConfig(temperature=1.0)
+    decoder = Decoder(target, DraftModelProposer(draft, branch=2), k=3, tree=TreeConfig(max_nodes=6))
+    counts = sample_sequences(decoder, PROMPT, 4, sampling, N_SAMPLES)
+    assert chi_square_pvalue(counts, sequence_law(target, PROMPT, 4, sampling)) > ALPHA

@@ -201,27 +201,46 @@ class DecodeRun:
         return verdict.committed(draft), draft.k, accepted
 
     def _tree_round(self, cache: KVCache, context: list[int], k: int) -> tuple[list[int], int, int]:
-        """Propose a tree, verify all branches in one masked forward, compact the accepted path."""
+        """Propose a tree, verify all branches in one masked forward, compact the accepted path.
+
+        A proposer with a side branch (lookahead's Jacobi window) gets that branch scored in the
+        same forward; side nodes are never accepted and vanish when the cache is compacted.
+        """
+        proposer = self.d.proposer
         t = time.perf_counter()
-        tree = Tree.from_paths(self.d.proposer.propose_tree(context, k, self.d.tree.max_nodes))
+        tree = Tree.from_paths(proposer.propose_tree(context, k, self.d.tree.max_nodes))
+        side = proposer.side_branch(context) if hasattr(proposer, "side_branch") else []
         self.metrics.draft_s += time.perf_counter() - t
         t = time.perf_counter()
-        base = cache.length
-        ids = torch.cat([torch.tensor([context[-1]]), tree.tokens]).unsqueeze(0)
-        mask = torch.cat([torch.ones(tree.size + 1, base, dtype=torch.bool), tree.attention_mask()], dim=1)
-        logits = self.d.target.forward(ids, cache, positions=(base + tree.depths()).unsqueeze(0), attn_mask=mask)[0]
+        logits = self._score_tree(cache, context[-1], tree, side)
+        n = tree.size + 1
+        if side:
+            proposer.observe_side(logits[n - 1 :])  # root's output, then each side node's
         sampling = self.config.sampling
         if sampling.greedy:
-            verdict = verify_tree_greedy(tree, logits)
+            verdict = verify_tree_greedy(tree, logits[:n])
         else:
-            verdict = verify_tree_sampling(tree, logits_to_probs(logits, sampling), self.generator)
-        cache.compact(base, verdict.path)  # the accepted path's keys/values move into place
+            verdict = verify_tree_sampling(tree, logits_to_probs(logits[:n], sampling), self.generator)
+        cache.compact(self._base, verdict.path)  # the accepted path's keys/values move into place
         self.metrics.verify_s += time.perf_counter() - t
         self.metrics.tree_nodes += tree.size
         accepted = len(verdict.path) - 1
-        self.d.proposer.observe(accepted)
+        proposer.observe(accepted)
         depth = int(tree.depths().max()) if tree.size else 0
         return verdict.committed(tree), depth, accepted
+
+    def _score_tree(self, cache: KVCache, last_token: int, tree: Tree, side: list[int]) -> torch.Tensor:
+        """One forward over [root, tree nodes, side chain] -> logits [N + 1 + len(side), vocab]."""
+        base = self._base = cache.length
+        n, s = tree.size + 1, len(side)
+        mask = torch.zeros(n + s, base + n + s, dtype=torch.bool)
+        mask[:, :base] = True
+        mask[:n, base : base + n] = tree.attention_mask()
+        mask[n:, base] = True  # the side chain follows the root causally, ignoring the tree
+        mask[n:, base + n :] = torch.ones(s, s, dtype=torch.bool).tril()
+        positions = torch.cat([tree.depths(), torch.arange(1, s + 1)]) + base
+        ids = torch.tensor([[last_token, *tree.tokens.tolist(), *side]])
+        return self.d.target.forward(ids, cache, positions=positions.unsqueeze(0), attn_mask=mask)[0]
 
     def _prefill(self) -> KVCache:
         """Cache the prompt except its last token, which the first round feeds with its drafts."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
@@ -20,10 +22,21 @@ class DraftModelProposer:
 
     name = "draft"
 
-    def __init__(self, model: CausalLM, max_length: int | None = None, confidence_threshold: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        max_length: int | None = None,
+        confidence_threshold: float = 0.0,
+        branch: int = 3,
+        static_tree: list[tuple[int, ...]] | None = None,
+    ) -> None:
         if not 0.0 <= confidence_threshold < 1.0:
             raise ConfigError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
+        if branch < 1:
+            raise ConfigError(f"branch must be >= 1, got {branch}")
         self.model = model
+        self.branch = max([branch] + [r + 1 for path in static_tree or () for r in path])
+        self.static_tree = None if static_tree is None else {tuple(p) for p in static_tree}
         self.confidence_threshold = confidence_threshold
         self.max_length = max_length or model.max_length
         self.cache = None
@@ -74,6 +87,26 @@ class DraftModelProposer:
             probs=None if sampling.greedy else torch.stack(probs, dim=1),  # [1, k, vocab]
         )
 
+    def propose_tree(self, context: list[int], k: int, max_nodes: int) -> list[list[int]]:
+        """Candidate paths (best first) for tree verification; see the tree drafting notes below."""
+        if not getattr(self.model, "supports_tree", False):
+            raise ConfigError("tree drafting from a draft model needs a backend with attention masks (native)")
+        logits = self._sync(context)[0]
+        base = self.cache.length
+        nodes: list[_Node] = []
+        frontier = [(_Node((), (), 1.0), logits)]
+        slots: dict[tuple[int, ...], int] = {}  # token path -> draft cache index of its last token
+        for _ in range(k):
+            level = _expand(self, frontier, max_nodes - len(nodes))
+            if not level:
+                break
+            nodes.extend(level)
+            frontier = _score_level(self, level, slots, base) if len(nodes) < max_nodes else []
+        self.cache.trim(base)
+        self.cached = self.cached[:base]
+        inner = {n.tokens[:-1] for n in nodes}
+        return [list(n.tokens) for n in nodes if n.tokens not in inner]
+
     def _unsure(self, logits: torch.Tensor) -> bool:
         if self.confidence_threshold <= 0.0:
             return False
@@ -81,3 +114,47 @@ class DraftModelProposer:
 
     def observe(self, num_accepted: int) -> None:
         pass  # the next _sync trims whatever the target rejected
+
+
+# -- tree drafting -------------------------------------------------------------------------------
+# Top-b branches expanded level by level, one masked draft forward per level. Dynamic trees keep,
+# at each depth, the candidates with the highest cumulative draft probability within the node
+# budget (EAGLE-2's rule); a static tree is a set of rank paths, e.g. {(0,), (1,), (0, 0)}
+# (Medusa's format). The draft cache is trimmed back to the context afterwards.
+
+
+@dataclass(frozen=True)
+class _Node:
+    tokens: tuple[int, ...]
+    ranks: tuple[int, ...]
+    prob: float  # cumulative draft probability of the path
+
+
+def _expand(proposer: DraftModelProposer, frontier: list, budget: int) -> list[_Node]:
+    """The frontier's top-b children allowed by the static tree, best cumulative probability first."""
+    options = []
+    for node, logits in frontier:
+        top = torch.topk(torch.softmax(logits.float(), dim=-1), proposer.branch)
+        for rank, (p, tok) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+            ranks = node.ranks + (rank,)
+            if proposer.static_tree is None or ranks in proposer.static_tree:
+                options.append(_Node(node.tokens + (tok,), ranks, node.prob * p))
+    options.sort(key=lambda n: -n.prob)
+    return options[: max(budget, 0)]
+
+
+def _score_level(proposer: DraftModelProposer, level: list[_Node], slots: dict, base: int) -> list:
+    """One masked draft forward over a level's nodes (each sees the context and its ancestors)."""
+    start, n = proposer.cache.length, len(level)
+    mask = torch.zeros(n, start + n, dtype=torch.bool)
+    mask[:, :base] = True
+    for i, node in enumerate(level):
+        for d in range(1, len(node.tokens)):
+            mask[i, slots[node.tokens[:d]]] = True
+        mask[i, start + i] = True
+        slots[node.tokens] = start + i
+    ids = torch.tensor([[node.tokens[-1] for node in level]])
+    positions = torch.tensor([[base + len(node.tokens) - 1 for node in level]])
+    out = proposer.model.forward(ids, proposer.cache, positions=positions, attn_mask=mask)[0]
+    return [(node, out[i]) for i, node in enumerate(level)]
+
