@@ -7,18 +7,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from specdecode.core.sampling import SamplingConfig
-from specdecode.engine import Decoder, GenerationConfig, GenerationResult
+from specdecode.engine import Decoder, GenerationConfig, GenerationResult, TreeConfig
 from specdecode.engine.policy import make_policy
 from specdecode.errors import ConfigError, InputError
 from specdecode.models.loading import LoadedModel, check_compatible, load_model
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.proposers.base import Proposer
 
-METHODS = ("none", "draft", "ngram")
+METHODS = ("none", "draft", "ngram", "suffix", "xtok", "lookahead")
+TREE_ONLY = ("lookahead",)  # methods whose drafts come from a side branch of the tree forward
 
 
 def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | None = None, **options: Any) -> Proposer | None:
-    """The proposer for ``method``; ``draft`` is a loaded model or a path for ``method="draft"``."""
+    """The proposer for ``method``; ``draft`` is a loaded model or a path (methods draft, xtok)."""
     if method == "none":
         return None
     if method == "ngram":
@@ -30,6 +31,22 @@ def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | N
             draft = load_model(draft, dtype=options.pop("dtype", "float32"))
         check_compatible(target, draft)
         return DraftModelProposer(draft.model, **options)
+    if method == "suffix":
+        from specdecode.proposers.suffix import SuffixProposer
+
+        return SuffixProposer(**options)
+    if method == "xtok":  # a draft with another tokenizer: drafts cross over as text
+        from specdecode.proposers.xtok import CrossTokenizerProposer
+
+        if draft is None:
+            raise ConfigError("method 'xtok' needs a draft model (--draft PATH)")
+        if not isinstance(draft, LoadedModel):
+            draft = load_model(draft, dtype=options.pop("dtype", "float32"))
+        return CrossTokenizerProposer(draft, target.tokenizer, **options)
+    if method == "lookahead":
+        from specdecode.proposers.lookahead import LookaheadProposer
+
+        return LookaheadProposer(**options)
     raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
 
@@ -53,12 +70,16 @@ class SpeculativeGenerator:
         k_max: int = 8,
         confidence: float = 0.5,
         shadow: bool = False,
+        tree: bool | None = None,
+        max_nodes: int = 16,
         **proposer_options: Any,
     ) -> None:
         """``k="auto"`` (or ``policy="auto"``) lets the cost model pick k in 0..k_max each round;
         ``policy`` is one of fixed, heuristic (k is the upper bound), confidence (the draft
         model stops below ``confidence``) or auto. ``shadow=True`` decodes plainly and records
-        the acceptance the method would have had.
+        the acceptance the method would have had. ``tree=True`` verifies several candidate
+        branches per round in one masked forward (native backend); ``None`` uses trees only for
+        methods that need them (lookahead).
         """
         self.target = target if isinstance(target, LoadedModel) else load_model(target)
         if k == "auto":
@@ -75,6 +96,7 @@ class SpeculativeGenerator:
             k if isinstance(k, int) else -1,
             policy=make_policy(policy, k) if proposer is not None else None,
             shadow=shadow,
+            tree=TreeConfig(max_nodes=max_nodes) if (tree or (tree is None and method in TREE_ONLY)) else None,
             eos_token_ids=self.target.eos_token_ids,
             tokenizer=self.target.tokenizer,
         )

@@ -10,6 +10,8 @@ from typing import Any
 
 from specdecode.errors import SpecDecodeError
 
+METHOD_CHOICES = ("none", "draft", "ngram", "suffix", "xtok", "lookahead")
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -45,12 +47,15 @@ def _generate_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("prompt")
     _add_model_args(p)
-    p.add_argument("--method", choices=["none", "draft", "ngram"], default="ngram")
-    p.add_argument("--draft", default=None, help="draft model folder or .gguf (method 'draft')")
+    p.add_argument("--method", choices=list(METHOD_CHOICES), default="ngram")
+    p.add_argument("--draft", default=None, help="draft model folder or .gguf (methods 'draft', 'xtok')")
     p.add_argument("--k", type=_k_value, default=4, help="draft tokens per round, or 'auto'")
     p.add_argument("--k-max", type=_positive_int, default=8, help="upper bound for --k auto")
     p.add_argument("--policy", choices=["fixed", "heuristic", "confidence", "auto"], default=None,
                    help="how k changes between rounds (default: fixed; auto with --k auto)")
+    p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
+                   help="verify a tree of candidates per round (default: only for lookahead)")
+    p.add_argument("--max-nodes", type=_positive_int, default=16, help="tree node budget per round")
     p.add_argument("--shadow", action="store_true",
                    help="decode plainly; record the acceptance the method would have had")
     p.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default)")
@@ -90,7 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = load_model(args.target, dtype=args.dtype, backend=args.backend)
     gen = SpeculativeGenerator(
         target, method=args.method, k=args.k, k_max=args.k_max, draft=args.draft,
-        policy=args.policy, shadow=args.shadow,
+        policy=args.policy, shadow=args.shadow, tree=args.tree, max_nodes=args.max_nodes,
     )
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,
@@ -122,6 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         from specdecode.bench import decode
 
         return _guard(lambda: decode.main(argv[1:]))
+    if argv[:1] == ["bench"]:
+        from specdecode.bench import runner
+
+        return _guard(lambda: runner.main(argv[1:]))
+    if argv[:1] == ["advise"]:
+        from specdecode.bench import advise
+
+        return _guard(lambda: advise.main(argv[1:]))
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from specdecode.demo import run_demo
