@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/specdecode demo
 
-test: setup
+.PHONY: browser
+# Headless Chromium for the bench report test (tests/bench); installs once, warns if it cannot.
+browser:
+	@command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium chromium-driver) || echo "warning: could not install chromium; the report rendering test will be skipped"
+
+test: setup browser
 	$(PY) -m pytest -q
 
 test-fast: setup

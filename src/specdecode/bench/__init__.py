@@ -1,0 +1,1 @@
+"""Benchmarks: `specdecode bench` (workloads, reports) and `specdecode advise`."""

@@ -1,0 +1,496 @@
+"""``specdecode bench``: a workload across methods x k x temperature, plain decoding and
+transformers ``generate`` measured in the same run, interleaved per prompt, resumable.
+
+Every finished (cell, prompt) pair is appended to ``DIR/cells.jsonl`` at once; a re-run with the
+same DIR and settings skips those pairs. At the end ``DIR/results.json``, ``DIR/summary.md``, the
+PNG plots and ``DIR/report.html`` are (re)written from every stored pair of this configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench.workload import WorkItem, default_workload_path, groups_in_order, load_workload, select
+from specdecode.errors import ConfigError, InputError
+
+SPEC_METHODS = ("ngram", "draft")  # speculative methods the bench knows
+ALL_METHODS = ("none",) + SPEC_METHODS
+COST_CONTEXT = 200  # cache length for the forward-cost curve
+AUTO_K_MAX = 8  # k_max the engine's auto policy uses by default
+
+# --quick uses one torch thread: on a small shared machine, OpenMP threads that outnumber free
+# cores make every forward many times slower and the timings meaningless.
+QUICK = {"prompts_per_category": 1, "max_new_tokens": 32, "methods": "none,ngram", "k": "2,4,auto", "temperatures": "0",
+         "threads": 1}
+DEFAULTS = {"prompts_per_category": 10, "max_new_tokens": 128, "methods": "none,ngram", "k": "2,4,8,auto", "temperatures": "0",
+            "threads": None}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration measured on every prompt: method "none" (plain), "hf" or a speculative one."""
+
+    method: str
+    k: int | str  # 0 for none / hf; an int >= 1 or "auto" otherwise
+    temperature: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.method}|k={self.k}|T={self.temperature:g}"
+
+    @property
+    def speculative(self) -> bool:
+        return self.method not in ("none", "hf")
+
+    def label(self, with_temperature: bool = False) -> str:
+        base = {"none": "plain", "hf": "hf generate"}.get(self.method, f"{self.method} k={self.k}")
+        return f"{base} T={self.temperature:g}" if with_temperature else base
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "method": self.method, "k": self.k, "temperature": self.temperature}
+
+
+# -- options -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specdecode bench",
+        description="Benchmark speculative decoding on a workload (Spec-Bench by default).",
+    )
+    p.add_argument("--workload", default=None, help=f"JSONL file (default: {default_workload_path()})")
+    p.add_argument("--out", required=True, help="output folder (re-use it to resume)")
+    p.add_argument("--quick", action="store_true", help="1 prompt per category, 32 tokens, none+ngram, k 2,4,auto, 1 thread")
+    p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2-135M)")
+    p.add_argument("--draft", default=None, help="draft model for method 'draft'")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
+    p.add_argument("--methods", default=None, help=f"comma list of {', '.join(ALL_METHODS)} (default {DEFAULTS['methods']}, plus draft with --draft)")
+    p.add_argument("--k", default=None, help=f"comma list of draft lengths and/or auto (default {DEFAULTS['k']})")
+    p.add_argument("--temperatures", default=None, help="comma list; 0 = greedy (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help=f"default {DEFAULTS['max_new_tokens']}")
+    p.add_argument("--prompts-per-category", type=int, default=None, help=f"0 = all (default {DEFAULTS['prompts_per_category']})")
+    p.add_argument("--seed", type=int, default=0, help="prompt sample and sampling seed")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; 1 with --quick)")
+    return p
+
+
+@dataclass
+class Options:
+    workload: str | None
+    out: Path
+    quick: bool
+    target: str | None
+    draft: str | None
+    dtype: str
+    backend: str
+    methods: list[str]
+    ks: list[int | str]
+    temperatures: list[float]
+    max_new_tokens: int
+    prompts_per_category: int
+    seed: int
+    hf: bool
+    threads: int | None = None
+
+
+def parse_options(argv: list[str]) -> Options:
+    args = build_parser().parse_args(argv)
+    preset = QUICK if args.quick else DEFAULTS
+    methods_text = args.methods or (preset["methods"] + (",draft" if args.draft and not args.quick else ""))
+    if args.quick and args.draft and args.methods is None:
+        methods_text += ",draft"
+    methods = _methods(methods_text)
+    if "draft" in methods and not args.draft:
+        raise ConfigError("method 'draft' needs a draft model (--draft PATH)")
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else preset["max_new_tokens"]
+    if max_new < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new}")
+    per_cat = args.prompts_per_category if args.prompts_per_category is not None else preset["prompts_per_category"]
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if per_cat < 0:
+        raise ConfigError(f"--prompts-per-category must be >= 0, got {per_cat}")
+    return Options(
+        workload=args.workload, out=Path(args.out), quick=args.quick, target=args.target, draft=args.draft,
+        dtype=args.dtype, backend=args.backend, methods=methods, ks=_ks(args.k or preset["k"]),
+        temperatures=_temperatures(args.temperatures or preset["temperatures"]), max_new_tokens=max_new,
+        prompts_per_category=per_cat, seed=args.seed, hf=not args.no_hf,
+        threads=args.threads if args.threads is not None else preset["threads"],
+    )
+
+
+def _split(text: str, what: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise ConfigError(f"{what}: empty list")
+    return list(dict.fromkeys(parts))
+
+
+def _methods(text: str) -> list[str]:
+    methods = _split(text.lower(), "--methods")
+    for m in methods:
+        if m not in ALL_METHODS:
+            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)}")
+    return methods
+
+
+def _ks(text: str) -> list[int | str]:
+    ks: list[int | str] = []
+    for part in _split(text.lower(), "--k"):
+        if part == "auto":
+            ks.append("auto")
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise ConfigError(f"--k: expected integers >= 1 or 'auto', got {part!r}") from None
+        if value < 1:
+            raise ConfigError(f"--k: draft lengths must be >= 1, got {value}")
+        ks.append(value)
+    return ks
+
+
+def _temperatures(text: str) -> list[float]:
+    temps = []
+    for part in _split(text, "--temperatures"):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ConfigError(f"--temperatures: expected numbers >= 0, got {part!r}") from None
+        if not value >= 0:
+            raise ConfigError(f"--temperatures: must be >= 0, got {part}")
+        temps.append(value)
+    return list(dict.fromkeys(temps))
+
+
+# -- machine info ------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    import specdecode
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    commit = None
+    try:
+        root = Path(__file__).resolve().parents[3]
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "specdecode": getattr(specdecode, "__version__", "?"),
+        "git_commit": commit,
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+# -- measurements ------------------------------------------------------------------------------
+def measure_cost_curve(model: Any, max_tokens: int, context: int = COST_CONTEXT, reps: int = 5) -> dict[int, float]:
+    """Median seconds of one target forward over n = 1..max_tokens new tokens after ``context``."""
+    import torch
+
+    context = max(1, min(context, int(model.max_length) - max_tokens - 1))
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(model.vocab_size)
+    cache = model.new_cache(context + max_tokens + 1)
+    model.forward(torch.randint(0, vocab, (1, context), generator=gen), cache)
+    base = cache.length
+    samples: dict[int, list[float]] = {n: [] for n in range(1, max_tokens + 1)}
+    for rep in range(reps + 1):  # the first pass warms up and is dropped
+        for n in range(1, max_tokens + 1):
+            ids = torch.randint(0, vocab, (1, n), generator=gen)
+            t = time.perf_counter()
+            model.forward(ids, cache)
+            elapsed = time.perf_counter() - t
+            cache.trim(base)
+            if rep:
+                samples[n].append(elapsed)
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
+class _FirstTokenTimer:
+    """A transformers streamer that notes when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 carries the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(model: Any, ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+                eos_ids: tuple[int, ...]) -> tuple[list[int], dict[str, Any]]:
+    """transformers ``generate`` on the same prompt ids; a stats record like the engine's."""
+    import torch
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    from specdecode.metrics import peak_rss_mb
+
+    eos = list(eos_ids) or None
+    options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos,
+                               "pad_token_id": eos[0] if eos else 0, "do_sample": temperature > 0}
+    if temperature > 0:
+        options.update(temperature=temperature, top_k=0, top_p=1.0)
+    config = HFGenerationConfig(**options)
+    torch.manual_seed(seed)
+    timer = _FirstTokenTimer()
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, streamer=timer)
+    total = time.perf_counter() - start
+    new = [int(t) for t in out[0, len(ids):].tolist()]
+    while new and eos and len(new) > 1 and new[-1] in eos and new[-2] in eos:  # padding after EOS
+        new.pop()
+    n = len(new)
+    ttft = (timer.first - start) if timer.first is not None else total
+    stats = {
+        "method": "hf", "k": 0, "policy": "none", "prompt_tokens": len(ids), "new_tokens": n,
+        "target_calls": n, "target_calls_per_token": 1.0 if n else 0.0, "drafted_tokens": 0,
+        "accepted_tokens": 0, "acceptance_rate": 0.0, "mean_accepted_length": 1.0 if n else 0.0,
+        "per_position_acceptance": [], "accepted_length_histogram": {},
+        "prefill_s": None, "draft_s": None, "verify_s": None, "overhead_s": None,
+        "total_s": total, "ttft_s": ttft, "tpot_s": (total - ttft) / (n - 1) if n > 1 else 0.0,
+        "tokens_per_s": n / total if total else 0.0, "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+    return new, stats
+
+
+# -- the store ---------------------------------------------------------------------------------
+def fingerprint(opts: Options, target_source: str, draft_source: str | None) -> str:
+    """Settings a stored result depends on besides its cell and prompt."""
+    spec = {"target": target_source, "draft": draft_source if "draft" in opts.methods else None,
+            "dtype": opts.dtype, "backend": opts.backend, "max_new_tokens": opts.max_new_tokens, "seed": opts.seed}
+    return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def record_key(cell: Cell, item: WorkItem) -> str:
+    digest = hashlib.sha1(item.prompt.encode()).hexdigest()[:10]
+    return f"{cell.key}|{item.id}|{digest}"
+
+
+def read_store(path: Path, fp: str) -> dict[str, dict[str, Any]]:
+    """Stored records of this configuration; a torn last line (from an interrupted run) is ignored."""
+    done: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return done
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("fingerprint") == fp and "key" in rec:
+            done[rec["key"]] = rec
+    return done
+
+
+# -- the run -----------------------------------------------------------------------------------
+def plan_cells(opts: Options) -> list[Cell]:
+    cells: list[Cell] = []
+    for temp in opts.temperatures:
+        cells.append(Cell("none", 0, temp))
+        if opts.hf:
+            cells.append(Cell("hf", 0, temp))
+        for method in opts.methods:
+            if method == "none":
+                continue
+            cells.extend(Cell(method, k, temp) for k in opts.ks)
+    return cells
+
+
+def prompt_seed(seed: int, item: WorkItem) -> int:
+    return (seed * 1_000_003 + zlib.crc32(item.id.encode())) % (1 << 62)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_options(list(sys.argv[1:] if argv is None else argv))
+    items = select(load_workload(opts.workload), opts.prompts_per_category, opts.seed)
+    return run_bench(opts, items, list(sys.argv[1:] if argv is None else argv))
+
+
+def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
+    import torch
+    from rich.console import Console
+    from tqdm import tqdm
+
+    from specdecode.api import SpeculativeGenerator
+    from specdecode.bench import report
+    from specdecode.models.loading import load_model
+
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+    if opts.out.exists() and not opts.out.is_dir():
+        raise InputError(f"--out is not a folder: {opts.out}")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    console.print(f"bench: {len(items)} prompts in {len(groups_in_order(items))} categories -> {opts.out}")
+
+    target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
+    draft = load_model(opts.draft, dtype=opts.dtype) if "draft" in opts.methods else None
+    fp = fingerprint(opts, target.source, draft.source if draft else None)
+
+    cells, skipped_cells, gens = [], [], {}
+    for cell in plan_cells(opts):
+        if cell.method == "hf":
+            cells.append(cell)
+            continue
+        sig = (cell.method, cell.k)
+        if sig not in gens:
+            try:
+                gens[sig] = SpeculativeGenerator(target, method=cell.method, k=cell.k if cell.method != "none" else 1, draft=draft)
+            except (ConfigError, TypeError, ValueError) as exc:
+                gens[sig] = exc
+        if isinstance(gens[sig], Exception):
+            skipped_cells.append({**cell.to_dict(), "reason": str(gens[sig])})
+            continue
+        cells.append(cell)
+    for s in skipped_cells:
+        console.print(f"[yellow]skipping {s['key']}: {s['reason']}[/yellow]")
+    hf_model = _hf_model(target, opts.dtype) if any(c.method == "hf" for c in cells) else None
+
+    plain = gens[("none", 0)]
+    k_fixed = [k for k in opts.ks if isinstance(k, int)]
+    kmax = max(k_fixed + ([AUTO_K_MAX] if "auto" in opts.ks else []) + [1])
+    budget = int(target.model.max_length) - opts.max_new_tokens - kmax - 2
+    if budget < 1:
+        raise ConfigError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt in the "
+                          f"model's {target.model.max_length} positions")
+    prompts: dict[str, dict[str, Any]] = {}
+    for item in items:
+        ids = plain.encode(item.prompt)
+        truncated = len(ids) > budget
+        prompts[item.id] = {"ids": ids[-budget:] if truncated else ids, "truncated": truncated, "tokens": len(ids)}
+
+    console.print(f"measuring the target's forward cost c(n), n = 1..{kmax + 1}, after {COST_CONTEXT} cached tokens")
+    cost_curve = measure_cost_curve(target.model, kmax + 1)
+
+    store_path = opts.out / "cells.jsonl"
+    done = read_store(store_path, fp)
+    todo = []
+    for index, item in enumerate(items):
+        rotated = cells[index % len(cells):] + cells[: index % len(cells)]  # no cell always runs first
+        todo.extend((item, cell) for cell in rotated if record_key(cell, item) not in done)
+    resumed = len(items) * len(cells) - len(todo)
+    if resumed:
+        console.print(f"resuming: {resumed} finished cell x prompt results found in {store_path}, skipped")
+
+    if todo:  # one short untimed run per cell: first-call allocations and lazy set-up stay out of the timings
+        warm_ids = prompts[items[0].id]["ids"][:16]
+        for cell in cells:
+            if cell.method == "hf":
+                hf_generate(hf_model, warm_ids, 4, cell.temperature, 0, target.eos_token_ids)
+            else:
+                gens[(cell.method, cell.k)].generate(warm_ids, max_new_tokens=4, temperature=cell.temperature, seed=0)
+    with open(store_path, "a", encoding="utf-8") as store, tqdm(
+        total=len(todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True
+    ) as bar:
+        for item, cell in todo:
+            bar.set_postfix_str(f"{item.group}/{item.id} {cell.label(len(opts.temperatures) > 1)}", refresh=False)
+            rec = _run_one(cell, item, prompts[item.id], opts, gens, hf_model, target)
+            rec.update(key=record_key(cell, item), fingerprint=fp)
+            store.write(json.dumps(rec) + "\n")
+            store.flush()
+            done[rec["key"]] = rec
+            bar.update(1)
+
+    records = [done[record_key(c, item)] for item in items for c in cells if record_key(c, item) in done]
+    results = {
+        "schema": 1,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": ["specdecode", "bench", *argv],
+        "machine": machine_info(),
+        "config": {
+            "workload": str(Path(opts.workload).resolve()) if opts.workload else str(default_workload_path()),
+            "target": target.source, "draft": draft.source if draft else None, "dtype": opts.dtype,
+            "backend": getattr(target.model, "backend", opts.backend), "methods": opts.methods, "k": opts.ks,
+            "temperatures": opts.temperatures, "max_new_tokens": opts.max_new_tokens,
+            "prompts_per_category": opts.prompts_per_category, "seed": opts.seed, "hf_generate": opts.hf,
+            "quick": opts.quick, "fingerprint": fp,
+        },
+        "cost_curve": {"context_tokens": COST_CONTEXT, "forward_s": {str(n): s for n, s in cost_curve.items()}},
+        "prompts": [
+            {"id": it.id, "category": it.category, "group": it.group, "line": it.line,
+             "prompt_tokens": prompts[it.id]["tokens"], "truncated": prompts[it.id]["truncated"]}
+            for it in items
+        ],
+        "categories": groups_in_order(items),
+        "cells": [c.to_dict() for c in cells],
+        "skipped_cells": skipped_cells,
+        "run": {"ran": len(todo), "resumed": resumed, "elapsed_s": 0.0},
+        "records": records,
+    }
+    results["aggregates"] = report.aggregate(results)
+    results["run"]["elapsed_s"] = round(time.perf_counter() - started, 2)
+    report.write_all(results, opts.out)
+    report.print_console(results, Console(file=sys.stdout, width=max(Console().width, 180)))
+    print(json.dumps(report.summary_line(results, opts.out)), flush=True)
+    return 0
+
+
+def _hf_model(target: Any, dtype: str) -> Any:
+    """transformers' model for the target's folder (the loaded one when the target runs on it)."""
+    inner = getattr(target.model, "model", None)
+    if getattr(target.model, "backend", None) == "transformers" and hasattr(inner, "generate"):
+        return inner
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdecode.models.loading import DTYPES
+
+    return AutoModelForCausalLM.from_pretrained(target.source, dtype=DTYPES.get(dtype, torch.float32)).eval()
+
+
+def _run_one(cell: Cell, item: WorkItem, prompt: dict[str, Any], opts: Options, gens: dict, hf_model: Any,
+             target: Any) -> dict[str, Any]:
+    seed = prompt_seed(opts.seed, item)
+    if cell.method == "hf":
+        token_ids, stats = hf_generate(hf_model, prompt["ids"], opts.max_new_tokens, cell.temperature, seed,
+                                       target.eos_token_ids)
+        finish = None
+    else:
+        out = gens[(cell.method, cell.k)].generate(
+            prompt["ids"], max_new_tokens=opts.max_new_tokens, temperature=cell.temperature, seed=seed
+        )
+        token_ids, stats, finish = list(out.token_ids), dict(out.stats), out.finish_reason
+    return {
+        **cell.to_dict(), "cell": cell.key, "prompt_id": item.id, "category": item.category, "group": item.group,
+        "prompt_tokens": len(prompt["ids"]), "truncated": prompt["truncated"], "seed": seed,
+        "finish_reason": finish, "token_ids": token_ids, "stats": stats,
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }

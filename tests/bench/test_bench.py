@@ -1,0 +1,259 @@
+"""``specdecode bench`` / ``advise`` on tiny random Llamas: files, resumability, advice, errors, HTML."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import save_tiny_llama
+from specdecode.bench.workload import load_workload, select
+from specdecode.cli import main as cli_main
+from specdecode.errors import InputError
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+WORKLOAD = [
+    {"question_id": 1, "category": "alpha", "turns": ["the cat sat on the mat. the cat sat on the", "second turn"]},
+    {"question_id": 2, "category": "alpha", "prompt": "abc abc abc abc abc"},
+    {"question_id": 3, "category": "beta", "prompt": "hello world, hello world, hello"},
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli_main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def last_json(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    return json.loads(lines[-1])
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-models")
+    save_tiny_llama(root / "target")
+    save_tiny_llama(root / "draft", seed=1, layers=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def bench_run(models, tmp_path_factory):
+    """One bench on the tiny workload: none/ngram/draft x k 2,auto x T 0,0.7, no HF generate."""
+    root = tmp_path_factory.mktemp("bench-run")
+    workload = write_jsonl(root / "work.jsonl", WORKLOAD)
+    out = root / "out"
+    argv = ["bench", "--workload", str(workload), "--out", str(out), "--target", str(models / "target"),
+            "--draft", str(models / "draft"), "--methods", "none,ngram,draft", "--k", "2,auto",
+            "--temperatures", "0,0.7", "--max-new-tokens", "8", "--no-hf"]
+    rc, stdout, stderr = run_cli(argv)
+    assert rc == 0, stderr
+    return {"out": out, "argv": argv, "stdout": stdout, "stderr": stderr, "workload": workload}
+
+
+def test_bench_writes_well_formed_outputs(bench_run):
+    out = bench_run["out"]
+    for name in ("results.json", "summary.md", "report.html", "cells.jsonl", "speedup_by_category.png",
+                 "acceptance_by_position.png", "speedup_vs_k.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    for png in out.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["categories"] == ["alpha", "beta"]
+    assert {"platform", "cpu", "torch", "python"} <= set(results["machine"])
+    assert results["command"][:2] == ["specdecode", "bench"]
+    assert sorted(int(n) for n in results["cost_curve"]["forward_s"]) == list(range(1, 10))  # k_max 8 for auto
+    keys = {c["key"] for c in results["cells"]}
+    for method in ("ngram", "draft"):
+        for k in (2, "auto"):
+            for t in (0, 0.7):
+                assert f"{method}|k={k}|T={t:g}" in keys
+    assert "none|k=0|T=0" in keys and not any(c["method"] == "hf" for c in results["cells"])
+    assert len(results["records"]) == len(results["cells"]) * len(WORKLOAD)
+    for rec in results["records"]:
+        assert rec["stats"]["new_tokens"] >= 1 and rec["stats"]["total_s"] > 0
+    for cell in results["cells"]:
+        scopes = {r["category"] for r in results["aggregates"] if r["cell"] == cell["key"]}
+        assert scopes == {"alpha", "beta", "overall"}
+    for row in results["aggregates"]:
+        assert row["speedup"] is not None and row["speedup"] > 0
+        assert row["tokens_per_s"] > 0 and row["ttft_s"] > 0
+        if row["method"] != "none":
+            assert row["predicted_speedup"] is not None and row["predicted_speedup"] > 0
+            assert all(0.0 <= a <= 1.0 for a in row["per_position_acceptance"])
+            assert 1.0 <= row["mean_accepted_length"]
+        if row["method"] != "none" and row["temperature"] == 0:
+            assert row["greedy_match"] == 1.0  # exact speculation: greedy output equals plain decoding
+
+    summary = (out / "summary.md").read_text()
+    assert "| cell |" in summary and "## alpha" in summary and "## beta" in summary and "## overall" in summary
+
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 3
+    assert "<script" not in page.lower()
+    assert "http://" not in page and "https://" not in page  # self-contained
+
+    line = last_json(bench_run["stdout"])
+    assert line["command"] == "bench" and line["ran"] == len(results["records"]) and line["resumed"] == 0
+    assert "ngram k=2 T=0" in line["overall"]
+    assert "overall" in bench_run["stdout"]  # the human-readable table precedes the JSON line
+
+
+def test_bench_resumes_finished_cells(bench_run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(bench_run["out"], out)
+    argv = [a if a != str(bench_run["out"]) else str(out) for a in bench_run["argv"]]
+    store = out / "cells.jsonl"
+    total = len(store.read_text().splitlines())
+
+    rc, stdout, stderr = run_cli(argv)
+    assert rc == 0, stderr
+    line = last_json(stdout)
+    assert line["ran"] == 0 and line["resumed"] == total
+    assert len(store.read_text().splitlines()) == total
+
+    # Lose the last finished result and tear a line, as an interrupted run would: exactly one re-runs.
+    lines = store.read_text().splitlines()
+    store.write_text("\n".join(lines[:-1]) + '\n{"key": "torn')
+    rc, stdout, stderr = run_cli(argv)
+    assert rc == 0, stderr
+    line = last_json(stdout)
+    assert line["ran"] == 1 and line["resumed"] == total - 1
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["records"]) == total
+
+    # Other settings (max new tokens) are not mixed with the stored results.
+    rc, stdout, stderr = run_cli(argv[:-3] + ["--max-new-tokens", "6", "--no-hf", "--prompts-per-category", "1"])
+    assert rc == 0, stderr
+    assert last_json(stdout)["resumed"] == 0
+
+
+def test_bench_with_hf_generate(models, tmp_path):
+    workload = write_jsonl(tmp_path / "w.jsonl", WORKLOAD[:1])
+    rc, stdout, stderr = run_cli(["bench", "--workload", str(workload), "--out", str(tmp_path / "out"),
+                                  "--target", str(models / "target"), "--methods", "ngram", "--k", "3",
+                                  "--max-new-tokens", "8"])
+    assert rc == 0, stderr
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    hf = [r for r in results["records"] if r["method"] == "hf"]
+    assert len(hf) == 1 and hf[0]["stats"]["new_tokens"] >= 1 and hf[0]["stats"]["ttft_s"] > 0
+    row = next(r for r in results["aggregates"] if r["method"] == "hf" and r["category"] == "overall")
+    assert row["speedup"] > 0 and row["greedy_match"] is not None
+    assert "hf generate" in last_json(stdout)["overall"]
+
+
+def test_advise_recommends_per_category(bench_run):
+    rc, stdout, stderr = run_cli(["advise", str(bench_run["out"])])
+    assert rc == 0, stderr
+    lines = stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    recs = summary["recommendations"]
+    for t in ("0", "0.7"):
+        for category in ("alpha", "beta", "overall"):
+            assert any(line.strip().startswith(f"{category} (T={t}):") for line in lines[:-1]), (category, t)
+    assert len(recs) == 6
+    for rec in recs:
+        assert rec["method"] in ("off", "ngram", "draft")
+        assert rec["measured_speedup"] > 0 and rec["reason"]
+        if rec["method"] == "off":
+            assert rec["k"] is None
+        else:
+            assert rec["k"] in (2, "auto") and rec["measured_speedup"] >= 1.05
+
+
+def test_advise_without_results_is_a_clear_error(tmp_path):
+    rc, stdout, stderr = run_cli(["advise", str(tmp_path)])
+    assert rc == 2 and stderr.startswith("error: no results.json in")
+
+
+@pytest.mark.parametrize(
+    "rows, extra, message",
+    [
+        (None, [], "workload file not found"),
+        ('{"prompt": "a", "category": "x"}\n{"prompt": "b", "category": \n', [], "line 2: malformed JSON"),
+        ("\n\n", [], "workload file is empty"),
+        ('{"category": "x"}\n', [], "line 1: needs a 'prompt' string or a 'turns' list"),
+        ('{"prompt": "a", "category": "x"}\n', ["--methods", "none,medusa"], "unknown method 'medusa'"),
+        ('{"prompt": "a", "category": "x"}\n', ["--methods", "draft"], "needs a draft model"),
+        ('{"prompt": "a", "category": "x"}\n', ["--k", "2,zero"], "--k: expected integers"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(tmp_path, rows, extra, message):
+    workload = tmp_path / "w.jsonl"
+    if rows is not None:
+        workload.write_text(rows)
+    rc, stdout, stderr = run_cli(["bench", "--workload", str(workload), "--out", str(tmp_path / "out"), *extra])
+    assert rc == 2
+    assert stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1
+
+
+def test_workload_parsing_and_selection(tmp_path):
+    rows = [{"question_id": 81, "category": "writing", "turns": ["w1", "w2"]},
+            {"question_id": 82, "category": "coding", "turns": ["c1"]},
+            {"question_id": 161, "category": "translation", "turns": ["t1"]},
+            {"category": "mine", "prompt": "p1"},
+            {"category": "mine", "prompt": "p2"}]
+    items = load_workload(write_jsonl(tmp_path / "w.jsonl", rows))
+    assert [i.group for i in items] == ["mt_bench", "mt_bench", "translation", "mine", "mine"]
+    assert items[0].prompt == "w1" and items[3].id == "L4"
+    picked = select(items, 1, seed=0)
+    assert sorted(i.group for i in picked) == ["mine", "mt_bench", "translation"]
+    assert select(items, 1, seed=0) == picked and select(items, 0) == items
+    with pytest.raises(InputError, match="line 2"):
+        load_workload(write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x"}, {"prompt": ""}]))
+
+
+def test_report_renders_in_headless_chromium(bench_run, tmp_path):
+    if CHROMIUM is None:
+        pytest.skip("chromium not installed (`make browser` installs it)")
+    shot = tmp_path / "report.png"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+           "--window-size=1280,2400", f"--screenshot={shot}", (bench_run["out"] / "report.html").resolve().as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    problems = [line for line in proc.stderr.splitlines()
+                if ":CONSOLE" in line or "Uncaught" in line or "net::ERR" in line]
+    assert not problems, problems
+    assert shot.is_file() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+    keep = Path(bench_run["out"]) / "report-screenshot.png"
+    shutil.copy(shot, keep)  # for a human to look at
+
+
+def test_advise_never_recommends_a_cell_without_accepted_drafts():
+    from specdecode.bench.advise import recommend
+
+    def row(k, speedup, mal, acc):
+        return {"cell": f"ngram|k={k}|T=0", "method": "ngram", "k": k, "temperature": 0.0, "category": "qa",
+                "prompts": 5, "speedup": speedup, "predicted_speedup": 1.0, "mean_accepted_length": mal,
+                "acceptance_rate": acc, "mean_k": None}
+
+    noise = {"categories": ["qa"], "aggregates": [row(2, 1.4, 1.0, 0.0), row(4, 0.9, 1.0, 0.0)]}
+    (qa, _) = recommend(noise)
+    assert qa["method"] == "off" and "no draft was ever accepted" in qa["reason"]
+    real = {"categories": ["qa"], "aggregates": [row(2, 1.3, 1.6, 0.5), row(4, 1.5, 1.0, 0.0)]}
+    (qa, _) = recommend(real)
+    assert (qa["method"], qa["k"]) == ("ngram", 2) and qa["line"].startswith("qa: ngram k=2 — measured 1.30x")
