@@ -122,8 +122,15 @@ def load_model(
         raise ModelLoadError(f"unknown backend {backend!r}; choose auto, native or transformers")
     model_dir = resolve_model_dir(path)
     tokenizer = load_tokenizer(model_dir)
-    if backend == "native":
-        raise ModelLoadError("the native backend is not available yet")
+    if backend != "transformers":
+        from specdecode.models import native
+
+        reason = native.unsupported_reason(native.read_config(model_dir), model_dir)
+        if reason is None:
+            model = native.NativeCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+            return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir))
+        if backend == "native":
+            raise ModelLoadError(f"the native backend cannot run {model_dir}: {reason}")
     model = _load_transformers(model_dir, DTYPES[dtype])
     return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir))
 
