@@ -49,7 +49,7 @@ class MarkovLM:
     def new_cache(self, max_length: int) -> TokenCache:
         return TokenCache()
 
-    def forward(self, input_ids: torch.Tensor, cache: TokenCache, positions=None, attn_mask=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: TokenCache, positions=None, attn_mask=None, last_only=False) -> torch.Tensor:
         """Logits from the last two tokens each new token attends to (causal unless ``attn_mask``)."""
         start = cache.length
         cache.tokens.extend(input_ids[0].tolist())
@@ -160,3 +160,14 @@ def save_tiny_llama(path, seed: int = 0, layers: int = 2) -> None:
     )
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
+
+
+def tiny_native(vocab: int = 6, seed: int = 0, layers: int = 2):
+    """The same tiny random Llama as :func:`tiny_llama`, run by the native backend."""
+    import tempfile
+
+    from specdecode.models.native import NativeCausalLM
+
+    folder = tempfile.mkdtemp(prefix="specdecode-tiny-")
+    tiny_llama(vocab=vocab, seed=seed, layers=layers).model.save_pretrained(folder)
+    return NativeCausalLM.from_pretrained(folder)

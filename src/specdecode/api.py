@@ -14,7 +14,7 @@ from specdecode.models.loading import LoadedModel, check_compatible, load_model
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.proposers.base import Proposer
 
-METHODS = ("none", "draft", "ngram", "suffix", "xtok", "lookahead")
+METHODS = ("none", "draft", "ngram", "suffix", "xtok", "lookahead", "early-exit")
 TREE_ONLY = ("lookahead",)  # methods whose drafts come from a side branch of the tree forward
 
 
@@ -43,6 +43,10 @@ def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | N
         if not isinstance(draft, LoadedModel):
             draft = load_model(draft, dtype=options.pop("dtype", "float32"))
         return CrossTokenizerProposer(draft, target.tokenizer, **options)
+    if method == "early-exit":
+        from specdecode.proposers.early_exit import EarlyExitProposer
+
+        return EarlyExitProposer(target.model, **options)
     if method == "lookahead":
         from specdecode.proposers.lookahead import LookaheadProposer
 

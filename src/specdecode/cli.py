@@ -10,7 +10,7 @@ from typing import Any
 
 from specdecode.errors import SpecDecodeError
 
-METHOD_CHOICES = ("none", "draft", "ngram", "suffix", "xtok", "lookahead")
+METHOD_CHOICES = ("none", "draft", "ngram", "suffix", "xtok", "lookahead", "early-exit")
 
 
 def _positive_int(text: str) -> int:
@@ -56,6 +56,8 @@ def _generate_parser(sub: Any) -> None:
     p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
                    help="verify a tree of candidates per round (default: only for lookahead)")
     p.add_argument("--max-nodes", type=_positive_int, default=16, help="tree node budget per round")
+    p.add_argument("--exit-layers", type=_positive_int, default=None,
+                   help="early-exit: target layers the draft runs (default: measured best)")
     p.add_argument("--shadow", action="store_true",
                    help="decode plainly; record the acceptance the method would have had")
     p.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default)")
@@ -96,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = SpeculativeGenerator(
         target, method=args.method, k=args.k, k_max=args.k_max, draft=args.draft,
         policy=args.policy, shadow=args.shadow, tree=args.tree, max_nodes=args.max_nodes,
+        **({"layers": args.exit_layers} if args.exit_layers and args.method == "early-exit" else {}),
     )
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,

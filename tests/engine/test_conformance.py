@@ -128,3 +128,35 @@ def test_broken_ngram_residual_is_caught(monkeypatch):
 def test_draft_probabilities_at_wrong_temperature_are_caught():
     target, draft = markov_pair()
     assert conformance_pvalue(target, WrongTemperatureDraft(draft), SAMPLINGS["t0.5"]) < ALPHA
+
+
+# -- the native backend passes the same conformance tests ----------------------------------------
+
+
+def test_native_draft_model_is_exact():
+    from helpers import tiny_native
+
+    target, draft = tiny_native(vocab=5, seed=0), tiny_native(vocab=5, seed=1, layers=1)
+    sampling = SamplingConfig(temperature=1.0, top_k=4)
+    assert conformance_pvalue(target, DraftModelProposer(draft), sampling, k=2, n_new=3) > ALPHA
+
+
+def test_native_early_exit_is_exact():
+    from helpers import tiny_native
+    from specdecode.proposers.early_exit import EarlyExitProposer
+
+    target = tiny_native(vocab=5, seed=3, layers=3)
+    sampling = SamplingConfig(temperature=0.7, top_p=0.9)
+    assert conformance_pvalue(target, EarlyExitProposer(target, layers=1), sampling, k=2, n_new=3) > ALPHA
+
+
+def test_native_early_exit_wrong_temperature_is_caught():
+    """The early-exit path through a broken draft distribution is caught too."""
+    from helpers import tiny_native
+    from specdecode.proposers.early_exit import EarlyExitProposer
+
+    class Broken(EarlyExitProposer, WrongTemperatureDraft):
+        pass
+
+    target = tiny_native(vocab=5, seed=3, layers=3)
+    assert conformance_pvalue(target, Broken(target, layers=1), SAMPLINGS["t0.5"], k=2, n_new=3) < ALPHA

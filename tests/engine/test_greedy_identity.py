@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import MarkovLM, tiny_llama
-from specdecode.engine import Decoder, GenerationConfig
+from helpers import MarkovLM, tiny_llama, tiny_native
+from specdecode.engine import Decoder, GenerationConfig, TreeConfig
 from specdecode.proposers import DraftModelProposer, NgramProposer
+from specdecode.proposers.lookahead import LookaheadProposer
 
 GREEDY = GenerationConfig(max_new_tokens=40)
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2]
@@ -23,17 +24,31 @@ def tiny_models():
     return {
         "markov": (MarkovLM(6, seed=3), MarkovLM(6, seed=4)),
         "llama": (tiny_llama(vocab=6, seed=5, layers=2), tiny_llama(vocab=6, seed=6, layers=1)),
+        "native": (tiny_native(vocab=6, seed=5, layers=3), tiny_native(vocab=6, seed=6, layers=1)),
     }
 
 
 @pytest.mark.parametrize("k", range(1, 9))
-@pytest.mark.parametrize("kind", ["markov", "llama"])
+@pytest.mark.parametrize("kind", ["markov", "llama", "native"])
 def test_tiny_models_all_k(kind, k, tiny_models):
     target, draft = tiny_models[kind]
     expected = plain(target, PROMPT)
-    for proposer in (NgramProposer(), DraftModelProposer(draft), DraftModelProposer(target)):
+    for proposer in (NgramProposer(), DraftModelProposer(draft), DraftModelProposer(target), *_native_only(kind, target)):
         out = Decoder(target, proposer, k=k).generate(PROMPT, GREEDY)
         assert out.token_ids == expected, proposer.name
+    if kind != "llama":  # trees need attention masks: the table model and the native backend
+        tree = TreeConfig(max_nodes=3 * k)
+        for proposer in (NgramProposer(), DraftModelProposer(draft), LookaheadProposer(window=4, ngram=3)):
+            out = Decoder(target, proposer, k=k, tree=tree).generate(PROMPT, GREEDY)
+            assert out.token_ids == expected, f"{proposer.name} tree"
+
+
+def _native_only(kind, target):
+    if kind != "native":
+        return ()
+    from specdecode.proposers.early_exit import EarlyExitProposer
+
+    return (EarlyExitProposer(target, layers=1), EarlyExitProposer(target, layers=2))
 
 
 def test_self_draft_accepts_everything(tiny_models):

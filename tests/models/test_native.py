@@ -162,14 +162,69 @@ def test_bf16_runs_and_tracks_fp32(tmp_path):
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def test_cache_overflow_is_refused_and_leaves_the_cache(tmp_path):
+def test_cache_grows_past_its_capacity_and_keeps_entries(tmp_path):
     folder, _ = make_checkpoint(tmp_path, "mistral")
     native = NativeCausalLM.from_pretrained(folder)
-    cache = native.new_cache(5)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    cache = native.new_cache(3)
+    got = chunked_into(native, cache, ids, [3, 2, 2])
+    assert cache.capacity >= 7 and cache.length == 7
+    assert torch.allclose(got, chunked(native, ids, [7]), atol=1e-5)
+
+
+def chunked_into(native, cache, ids, sizes):
+    out, at = [], 0
+    for n in sizes:
+        out.append(native.forward(ids[:, at : at + n], cache))
+        at += n
+    return torch.cat(out, dim=1)
+
+
+def test_failed_forward_leaves_the_cache(tmp_path):
+    folder, _ = make_checkpoint(tmp_path, "mistral")
+    native = NativeCausalLM.from_pretrained(folder)
+    cache = native.new_cache(8)
     native.forward(torch.tensor([[1, 2, 3]]), cache)
-    with pytest.raises(ValueError, match="overflow"):
-        native.forward(torch.tensor([[4, 5, 6]]), cache)
+    with pytest.raises(ValueError, match="attn_mask"):
+        native.forward(torch.tensor([[4, 5]]), cache, attn_mask=torch.ones(2, 2, dtype=torch.bool))
     assert cache.length == 3
+
+
+def test_compact_moves_an_accepted_path_into_place(tmp_path):
+    """Tree verify then compact equals feeding the accepted path as a chain."""
+    from specdecode.core.tree import Tree
+
+    folder, _ = make_checkpoint(tmp_path, "llama-tied-gqa-llama3")
+    native = NativeCausalLM.from_pretrained(folder)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    tree = Tree.from_paths([[9, 2, 6], [9, 5], [3]])
+    cache = native.new_cache(32)
+    native.forward(prompt[:, :-1], cache)
+    base = cache.length
+    mask = torch.cat([torch.ones(tree.size + 1, base, dtype=torch.bool), tree.attention_mask()], dim=1)
+    ids = torch.cat([prompt[0, -1:], tree.tokens]).unsqueeze(0)
+    native.forward(ids, cache, positions=(base + tree.depths()).unsqueeze(0), attn_mask=mask)
+    cache.compact(base, [0, 1, 4])  # root, 9, 5
+    after = native.forward(torch.tensor([[7]]), cache)
+    chain = native.new_cache(32)
+    ref = native.forward(torch.tensor([[3, 1, 4, 1, 5, 9, 5, 7]]), chain)[:, -1:]
+    assert torch.allclose(after, ref, atol=1e-4)
+
+
+def test_layer_view_shares_the_first_layers(tmp_path):
+    from specdecode.proposers.early_exit import exit_model
+
+    folder, _ = make_checkpoint(tmp_path, "llama-tied-gqa-llama3")
+    native = NativeCausalLM.from_pretrained(folder)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    cache = native.new_cache(16)
+    native.forward(ids[:, :5], cache)
+    head = exit_model(native, 1)
+    view = cache.layer_view(1)
+    view.follow_parent()
+    shared = head.forward(ids[:, 5:], view)
+    ref = head.forward(ids, head.new_cache(16))[:, -1:]
+    assert torch.allclose(shared, ref, atol=1e-4)
 
 
 def test_sliding_window_caps_max_length(tmp_path):

@@ -249,11 +249,13 @@ class DecodeRun:
         self.policy.reset()
         self.shadow = None
         if self.d.proposer is not None:
+            if hasattr(self.d.proposer, "bind_target_cache"):
+                self.d.proposer.bind_target_cache(cache)  # e.g. early exit shares the first layers
             self.d.proposer.reset(self.prompt_ids)
             if self.d.shadow:
                 self.shadow = ShadowTracker(self.d.proposer, self.d.k, self.config.sampling)
         if len(self.prompt_ids) > 1:
-            self.d.target.forward(torch.tensor([self.prompt_ids[:-1]], dtype=torch.long), cache)
+            self.d.target.forward(torch.tensor([self.prompt_ids[:-1]], dtype=torch.long), cache, last_only=True)
         return cache
 
     def _propose(self, context: list[int], k: int) -> Draft:

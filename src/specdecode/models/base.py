@@ -30,8 +30,11 @@ class CausalLM(Protocol):
 
     def new_cache(self, max_length: int) -> KVCache: ...
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Append ``input_ids`` [1, n] to ``cache``; return float32 logits [1, n, vocab]."""
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Append ``input_ids`` [1, n] to ``cache``; return float32 logits [1, n, vocab].
+
+        ``last_only=True`` may return just the last row ([1, 1, vocab]): prefill needs no more.
+        """
         ...
 
 

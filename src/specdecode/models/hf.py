@@ -56,7 +56,7 @@ class HFCausalLM:
         return HFCache(self.model)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: HFCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: HFCache, last_only: bool = False) -> torch.Tensor:
         n = input_ids.shape[1]
         start = cache.length
         positions = torch.arange(start, start + n).unsqueeze(0)
@@ -64,6 +64,7 @@ class HFCausalLM:
             input_ids=input_ids,
             position_ids=positions,
             use_cache=True,
+            logits_to_keep=1 if last_only else 0,
             **{self._cache_kwarg: cache.inner},
         )
         cache._length = start + n

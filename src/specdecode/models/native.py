@@ -287,8 +287,11 @@ def _decoder(
     rope: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor | None,
     d: _Dims,
+    last_only: bool = False,
 ) -> torch.Tensor:
     """All layers, final norm and output head: float32 ``x`` [n, hidden] -> logits [n, vocab].
+
+    ``last_only`` applies the head to the last row only (prefill: the other rows are unused).
 
     The residual stream stays float32 whatever the matrices' dtype (cheap next to the matmuls,
     and bf16 text then tracks fp32 text more closely).
@@ -297,6 +300,8 @@ def _decoder(
     for i, w in enumerate(weights.layers):
         x = x + _attention(x, w, lin, keys[i], values[i], start, rope, mask, d)
         x = x + _mlp(x, w, lin, d)
+    if last_only:
+        x = x[-1:]
     return lin(_norm(x, weights.norm, d), weights.lm_head, None)
 
 
@@ -341,6 +346,7 @@ class NativeCausalLM:
     """``CausalLM`` running a Llama-family checkpoint with plain PyTorch ops and a static cache."""
 
     backend = "native"
+    supports_tree = True  # forward takes positions + attention masks; the cache compacts
 
     def __init__(self, config: NativeConfig, weights: Weights, dtype: torch.dtype = torch.float32) -> None:
         self.config = config
@@ -402,12 +408,14 @@ class NativeCausalLM:
         cache: StaticKVCache,
         positions: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Append ``input_ids`` [1, n] to ``cache``; return float32 logits [1, n, vocab].
 
         ``positions`` [1, n] (int64) defaults to the next n positions. ``attn_mask`` (bool,
         [1, n, cache.length + n] or [n, cache.length + n], True = may attend) defaults to causal
-        over cache + new tokens; pass both for tree verification.
+        over cache + new tokens; pass both for tree verification. ``last_only`` returns the last
+        row's logits only ([1, 1, vocab]).
         """
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must have shape [1, n], got {tuple(input_ids.shape)}")
@@ -419,7 +427,9 @@ class NativeCausalLM:
             cos, sin = cos_sin(self._inv_freq, pos, torch.float32)
             x = F.embedding(input_ids[0], self.weights.embed).float()
             rope = (cos[:, None], sin[:, None])  # broadcast over heads
-            logits = self._decoder(x, self.weights, cache.keys, cache.values, start, rope, mask, self._dims)
+            logits = self._decoder(
+                x, self.weights, cache.keys, cache.values, start, rope, mask, self._dims, last_only
+            )
         except BaseException:
             cache.trim(start)  # a failed forward leaves the cache as it was
             raise

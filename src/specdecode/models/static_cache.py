@@ -37,12 +37,67 @@ class StaticKVCache:
     def reserve(self, n: int) -> int:
         """Claim the next ``n`` slots for a forward; return where they start.
 
-        Raises ValueError when they would overflow the capacity given to ``new_cache``.
+        Grows the buffers (doubling, amortised O(1)) when ``n`` more would not fit.
         """
         start = self._length
         if start + n > self.capacity:
-            raise ValueError(
-                f"cache overflow: {start} cached + {n} new tokens exceeds its capacity of {self.capacity}"
-            )
+            self._grow(max(start + n, 2 * self.capacity))
+        self._length = start + n
+        return start
+
+    def _grow(self, capacity: int) -> None:
+        layers, batch, heads, _, dim = self.keys.shape
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = torch.empty((layers, batch, heads, capacity, dim), dtype=old.dtype)
+            new[:, :, :, : self._length] = old[:, :, :, : self._length]
+            setattr(self, name, new)
+        self.capacity = capacity
+
+    @torch.inference_mode()  # buffers grown inside a forward are inference tensors
+    def compact(self, start: int, keep: list[int]) -> None:
+        """Keep positions ``start + keep[i]`` at ``start + i`` (an accepted tree path); drop the rest."""
+        check_trim(self, start)
+        index = torch.tensor(keep, dtype=torch.long) + start
+        for buf in (self.keys, self.values):
+            buf[:, :, :, start : start + len(keep)] = buf[:, :, :, index]
+        self._length = start + len(keep)
+
+    def layer_view(self, layers: int) -> "LayerView":
+        """A cache over this cache's first ``layers`` layers, sharing its buffers (early exit)."""
+        return LayerView(self, layers)
+
+
+class LayerView(StaticKVCache):
+    """The first layers of a parent cache: same storage, its own length.
+
+    Positions below the parent's length hold the parent's entries for those layers; positions
+    written past it are scratch that the parent's next forward overwrites.
+    """
+
+    def __init__(self, parent: StaticKVCache, layers: int) -> None:
+        self.parent, self.layers = parent, layers
+        self._length = 0
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.parent.keys[: self.layers]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.parent.values[: self.layers]
+
+    @property
+    def capacity(self) -> int:
+        return self.parent.capacity
+
+    def follow_parent(self) -> None:
+        """Take the parent's committed entries as this view's own (its length becomes the parent's)."""
+        self._length = self.parent.length
+
+    def reserve(self, n: int) -> int:
+        start = self._length
+        if start + n > self.parent.capacity:
+            self.parent._grow(max(start + n, 2 * self.parent.capacity))
         self._length = start + n
         return start

@@ -44,7 +44,8 @@ class DraftModelProposer:
         self.agreed = 0  # cached[:agreed] is known to equal the committed context
 
     def reset(self, prompt_ids: list[int]) -> None:
-        self.cache = self.model.new_cache(self.max_length)
+        # Caches grow on demand; start with room for the prompt and a typical answer.
+        self.cache = self.model.new_cache(min(self.max_length, len(prompt_ids) + 512))
         self.cached = []
         self.agreed = 0
 
@@ -60,7 +61,7 @@ class DraftModelProposer:
             keep += 1
         self.cache.trim(keep)
         fresh = context[keep:]
-        logits = self.model.forward(torch.tensor([fresh], dtype=torch.long), self.cache)
+        logits = self.model.forward(torch.tensor([fresh], dtype=torch.long), self.cache, last_only=True)
         self.cached = list(context)
         self.agreed = len(context)
         return logits[:, -1]

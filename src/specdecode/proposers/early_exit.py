@@ -1,0 +1,56 @@
+"""Early-exit self-speculation: the target's first L layers, final norm and LM head draft tokens.
+
+No extra weights: the draft is a view of the target sharing its tensors. With a native target,
+the draft's cache aliases the target cache's first L layers (``bind_target_cache``): the keys and
+values of committed tokens in those layers are exactly what the draft would compute, so the
+draft never re-processes accepted tokens, and the positions it writes past the context are
+overwritten by the target's next verify forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specdecode.errors import ConfigError
+from specdecode.proposers.draft_model import DraftModelProposer
+
+DEFAULT_EXIT_FRACTION = 0.2  # of the target's layers; chosen by measurement (BENCHMARKS.md)
+
+
+def exit_model(target, layers: int):
+    """A ``NativeCausalLM`` running only the target's first ``layers`` layers (shared tensors)."""
+    if getattr(target, "backend", None) != "native":
+        raise ConfigError("early-exit needs the native backend (a Llama-family target)")
+    total = len(target.weights.layers)
+    if not 1 <= layers < total:
+        raise ConfigError(f"early-exit layers must be in 1..{total - 1}, got {layers}")
+    config = dataclasses.replace(target.config, num_layers=layers)
+    weights = dataclasses.replace(target.weights, layers=target.weights.layers[:layers])
+    return type(target)(config, weights, target.dtype)
+
+
+class EarlyExitProposer(DraftModelProposer):
+    name = "early-exit"
+
+    def __init__(self, target, layers: int | None = None, **options) -> None:
+        total = len(target.weights.layers) if hasattr(target, "weights") else 0
+        self.layers = layers or max(1, round(total * DEFAULT_EXIT_FRACTION))
+        super().__init__(exit_model(target, self.layers), **options)
+        self.shared = None
+
+    def bind_target_cache(self, cache) -> None:
+        """Share the target cache's first L layers for this request (called by the decoder)."""
+        self.shared = cache.layer_view(self.layers) if hasattr(cache, "layer_view") else None
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        super().reset(prompt_ids)
+        if self.shared is not None:
+            self.cache = self.shared
+            self.shared = None
+
+    def _sync(self, context: list[int]):
+        if hasattr(self.cache, "follow_parent"):
+            # The target cache holds context[:parent length]; continue from there.
+            self.cache.follow_parent()
+            self.cached, self.agreed = list(context[: self.cache.length]), self.cache.length
+        return super()._sync(context)
