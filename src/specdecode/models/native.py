@@ -226,6 +226,7 @@ class _Dims:
     intermediate: int
     eps: float
     dtype: torch.dtype  # of the matrices; activations between them stay float32
+    row_exact: bool = False  # attention row by row: k-token verify bitwise equal to 1-token decode
 
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -267,10 +268,35 @@ def _attention(
     keys[0, :, start:end] = qk[:, hq:].transpose(0, 1)
     values[0, :, start:end] = qkv[:, (hq + hkv) * hd :].view(n, hkv, hd).transpose(0, 1)
     q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
-    out = F.scaled_dot_product_attention(
-        q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, enable_gqa=hkv != hq
-    )
+    if d.row_exact and n > 1:
+        out = _attention_by_row(q, keys[:, :, :end], values[:, :, :end], mask, hkv != hq)
+    else:
+        out = F.scaled_dot_product_attention(
+            q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, enable_gqa=hkv != hq
+        )
     return lin(out[0].transpose(0, 1).reshape(n, hq * hd).to(d.dtype), w.wo, w.bo)
+
+
+def _attention_by_row(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gqa: bool
+) -> torch.Tensor:
+    """Each query row alone over exactly the keys it may see, as a 1-token decode would run it.
+
+    SDPA's multi-row kernel can differ from its one-row kernel in the last bit; in bf16 that is
+    enough to flip greedy ties, so plain and speculative decoding would part ways.
+    """
+    n, total = q.shape[2], keys.shape[2]
+    rows = []
+    for i in range(n):
+        allowed = mask[0, 0, i]
+        seen = int(allowed.sum())
+        if bool(allowed[:seen].all()):  # a prefix (chains): slice, no copy
+            k_i, v_i = keys[:, :, :seen], values[:, :, :seen]
+        else:  # a tree row: gather its ancestors
+            idx = allowed.nonzero().squeeze(-1)
+            k_i, v_i = keys[:, :, idx], values[:, :, idx]
+        rows.append(F.scaled_dot_product_attention(q[:, :, i : i + 1], k_i, v_i, enable_gqa=gqa))
+    return torch.cat(rows, dim=2)
 
 
 def _mlp(x: torch.Tensor, w: LayerWeights, lin: Linear, d: _Dims) -> torch.Tensor:
@@ -309,6 +335,11 @@ def _decoder(
 
 
 def _mkldnn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[0] == 1:
+        # oneDNN takes a different kernel for one row, whose sums can differ in the last bit from
+        # the multi-row kernel's; two rows keep 1-token decode bitwise equal to k-token verify
+        # (greedy bf16 speculation then matches plain decoding) at the same weight traffic.
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), w, b, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
@@ -348,7 +379,12 @@ class NativeCausalLM:
     backend = "native"
     supports_tree = True  # forward takes positions + attention masks; the cache compacts
 
-    def __init__(self, config: NativeConfig, weights: Weights, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: NativeConfig, weights: Weights, dtype: torch.dtype = torch.float32, row_exact: bool | None = None
+    ) -> None:
+        """``row_exact`` (default: on for bf16) runs verify attention row by row so that greedy
+        speculation is bitwise identical to plain decoding; fp32 keeps the faster batched kernel
+        (its last-bit differences are far below fp32 greedy ties; see BENCHMARKS.md)."""
         self.config = config
         self.weights = weights
         self.dtype = dtype
@@ -357,6 +393,7 @@ class NativeCausalLM:
         self._dims = _Dims(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.intermediate_size, config.rms_norm_eps, dtype,
+            dtype == torch.bfloat16 if row_exact is None else row_exact,
         )
         self._inv_freq = inv_freq(config.rope, config.head_dim)
         self._decoder: Callable[..., torch.Tensor] = _decoder

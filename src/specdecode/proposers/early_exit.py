@@ -26,7 +26,7 @@ def exit_model(target, layers: int):
         raise ConfigError(f"early-exit layers must be in 1..{total - 1}, got {layers}")
     config = dataclasses.replace(target.config, num_layers=layers)
     weights = dataclasses.replace(target.weights, layers=target.weights.layers[:layers])
-    return type(target)(config, weights, target.dtype)
+    return type(target)(config, weights, target.dtype, row_exact=target._dims.row_exact)
 
 
 class EarlyExitProposer(DraftModelProposer):
