@@ -10,7 +10,7 @@ from typing import Any
 
 from specdecode.errors import SpecDecodeError
 
-METHOD_CHOICES = ("none", "draft", "ngram", "suffix", "xtok", "lookahead", "early-exit")
+METHOD_CHOICES = ("none", "draft", "ngram", "suffix", "xtok", "lookahead", "early-exit", "eagle")
 
 
 def _positive_int(text: str) -> int:
@@ -41,6 +41,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="transformers folder or .gguf file (default: embedded SmolLM2-135M)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
 
 
 def _generate_parser(sub: Any) -> None:
@@ -48,7 +49,7 @@ def _generate_parser(sub: Any) -> None:
     p.add_argument("prompt")
     _add_model_args(p)
     p.add_argument("--method", choices=list(METHOD_CHOICES), default="ngram")
-    p.add_argument("--draft", default=None, help="draft model folder or .gguf (methods 'draft', 'xtok')")
+    p.add_argument("--draft", default=None, help="draft model folder or .gguf (methods 'draft', 'xtok'); trained head folder (eagle)")
     p.add_argument("--k", type=_k_value, default=4, help="draft tokens per round, or 'auto'")
     p.add_argument("--k-max", type=_positive_int, default=8, help="upper bound for --k auto")
     p.add_argument("--policy", choices=["fixed", "heuristic", "confidence", "auto"], default=None,
@@ -77,9 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     demo = sub.add_parser("demo", help="plain vs speculative decoding on the embedded model")
-    demo.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=160)
+    demo.add_argument("--prompt", default=None, help="your own prompt instead of the built-in one")
     demo.add_argument("--k", type=_positive_int, default=4)
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
     sub.add_parser("bench-decode", help="plain decode speed vs transformers (see --help)", add_help=False)
     return parser
 
@@ -92,6 +95,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise InputError("empty prompt")
+    from specdecode.runtime import set_threads
+
+    set_threads(args.threads)
     # Validate sampling flags before spending seconds on loading the model.
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     target = load_model(args.target, dtype=args.dtype, backend=args.backend)
@@ -134,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         from specdecode.bench import runner
 
         return _guard(lambda: runner.main(argv[1:]))
+    if argv[:1] == ["train"]:
+        from specdecode.train import trainer
+
+        return _guard(lambda: trainer.main(argv[1:]))
     if argv[:1] == ["advise"]:
         from specdecode.bench import advise
 

@@ -26,7 +26,8 @@ from typing import Any
 from specdecode.bench.workload import WorkItem, default_workload_path, groups_in_order, load_workload, select
 from specdecode.errors import ConfigError, InputError
 
-SPEC_METHODS = ("ngram", "draft")  # speculative methods the bench knows
+SPEC_METHODS = ("ngram", "draft", "suffix", "lookahead", "early-exit", "xtok")  # speculative methods
+TREE_SUFFIX = "+tree"  # e.g. "ngram+tree": the same method verifying candidate trees
 ALL_METHODS = ("none",) + SPEC_METHODS
 COST_CONTEXT = 200  # cache length for the forward-cost curve
 AUTO_K_MAX = 8  # k_max the engine's auto policy uses by default
@@ -113,8 +114,9 @@ def parse_options(argv: list[str]) -> Options:
     if args.quick and args.draft and args.methods is None:
         methods_text += ",draft"
     methods = _methods(methods_text)
-    if "draft" in methods and not args.draft:
-        raise ConfigError("method 'draft' needs a draft model (--draft PATH)")
+    for m in methods:
+        if m.removesuffix(TREE_SUFFIX) in ("draft", "xtok") and not args.draft:
+            raise ConfigError(f"method '{m}' needs a draft model (--draft PATH)")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else preset["max_new_tokens"]
     if max_new < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new}")
@@ -142,8 +144,8 @@ def _split(text: str, what: str) -> list[str]:
 def _methods(text: str) -> list[str]:
     methods = _split(text.lower(), "--methods")
     for m in methods:
-        if m not in ALL_METHODS:
-            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)}")
+        if m.removesuffix(TREE_SUFFIX) not in ALL_METHODS or m == "none" + TREE_SUFFIX:
+            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)} (+tree)")
     return methods
 
 
@@ -294,7 +296,7 @@ def hf_generate(model: Any, ids: list[int], max_new_tokens: int, temperature: fl
 # -- the store ---------------------------------------------------------------------------------
 def fingerprint(opts: Options, target_source: str, draft_source: str | None) -> str:
     """Settings a stored result depends on besides its cell and prompt."""
-    spec = {"target": target_source, "draft": draft_source if "draft" in opts.methods else None,
+    spec = {"target": target_source, "draft": draft_source,
             "dtype": opts.dtype, "backend": opts.backend, "max_new_tokens": opts.max_new_tokens, "seed": opts.seed}
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -362,7 +364,8 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
     console.print(f"bench: {len(items)} prompts in {len(groups_in_order(items))} categories -> {opts.out}")
 
     target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
-    draft = load_model(opts.draft, dtype=opts.dtype) if "draft" in opts.methods else None
+    needs_draft = any(m.removesuffix(TREE_SUFFIX) in ("draft", "xtok") for m in opts.methods)
+    draft = load_model(opts.draft, dtype=opts.dtype) if needs_draft and opts.draft else None
     fp = fingerprint(opts, target.source, draft.source if draft else None)
 
     cells, skipped_cells, gens = [], [], {}
@@ -373,7 +376,11 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         sig = (cell.method, cell.k)
         if sig not in gens:
             try:
-                gens[sig] = SpeculativeGenerator(target, method=cell.method, k=cell.k if cell.method != "none" else 1, draft=draft)
+                base = cell.method.removesuffix(TREE_SUFFIX)
+                gens[sig] = SpeculativeGenerator(
+                    target, method=base, k=cell.k if base != "none" else 1, draft=draft,
+                    tree=cell.method.endswith(TREE_SUFFIX) or None,
+                )
             except (ConfigError, TypeError, ValueError) as exc:
                 gens[sig] = exc
         if isinstance(gens[sig], Exception):
