@@ -225,7 +225,6 @@ def real_plain():
     from real_model import PROMPTS, chat_ids, default_target
 
     target = default_target()
-    torch.set_num_threads(2)
     plain = Decoder(target.model, None, eos_token_ids=target.eos_token_ids)
     return target, [(chat_ids(target, p), plain.generate(chat_ids(target, p), REAL_CFG).token_ids) for p in PROMPTS]
 
@@ -234,7 +233,6 @@ def real_plain():
 @pytest.mark.parametrize("k", [2, 5])
 def test_suffix_greedy_identical_on_real_prompts(real_plain, k):
     target, cases = real_plain
-    torch.set_num_threads(2)
     spec = Decoder(target.model, SuffixProposer(corpus=SuffixCorpus()), k=k, eos_token_ids=target.eos_token_ids)
     accepted = 0
     for ids, expected in cases:

@@ -284,7 +284,6 @@ def real(tmp_path_factory):
     from real_model import PROMPTS, chat_ids, default_target
 
     target = default_target()
-    torch.set_num_threads(2)
     plain = Decoder(target.model, None, eos_token_ids=target.eos_token_ids)
     cases = [(chat_ids(target, PROMPTS[i]), plain.generate(chat_ids(target, PROMPTS[i]), REAL_CFG).token_ids)
              for i in REAL_PROMPTS]
@@ -300,7 +299,6 @@ def test_permuted_vocabulary_draft_is_refused_by_draft_but_works_with_xtok(real)
     from specdecode.proposers import DraftModelProposer
 
     target, cases, tmp = real
-    torch.set_num_threads(2)
     src = truncated_draft_dir(8, str(tmp.mktemp("draft")))
     draft = load_model(permuted_vocab_draft(src, tmp.mktemp("permuted")))
     with pytest.raises(IncompatibleDraftError):
@@ -335,7 +333,6 @@ def test_byte_level_draft_keeps_greedy_output(real):
     from specdecode.models.loading import load_model
 
     target, cases, tmp = real
-    torch.set_num_threads(2)
     draft = load_model(byte_draft_dir(tmp.mktemp("bytes")))
     spec = Decoder(target.model, CrossTokenizerProposer(draft, target.tokenizer), k=3,
                    eos_token_ids=target.eos_token_ids)
