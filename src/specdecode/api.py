@@ -14,7 +14,7 @@ from specdecode.models.loading import LoadedModel, check_compatible, load_model
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.proposers.base import Proposer
 
-METHODS = ("none", "draft", "ngram", "suffix", "xtok", "lookahead", "early-exit")
+METHODS = ("none", "draft", "ngram", "suffix", "xtok", "lookahead", "early-exit", "eagle")
 TREE_ONLY = ("lookahead",)  # methods whose drafts come from a side branch of the tree forward
 
 
@@ -47,6 +47,17 @@ def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | N
         from specdecode.proposers.early_exit import EarlyExitProposer
 
         return EarlyExitProposer(target.model, **options)
+    if method == "eagle":  # a trained head; default: the one shipped for this target
+        from specdecode.proposers.eagle import EagleProposer, shipped_head_dir
+
+        path = options.pop("path", None) or (draft if isinstance(draft, (str, os.PathLike)) else None)
+        path = str(path or shipped_head_dir(target.source))
+        if not (os.path.isdir(path) and os.path.exists(os.path.join(path, "model.safetensors"))):
+            raise ConfigError(
+                f"no EAGLE head for this target at {path}; train one with: specdecode train eagle --out DIR "
+                "(then --draft DIR)"
+            )
+        return EagleProposer(target.model, path=path, **options)
     if method == "lookahead":
         from specdecode.proposers.lookahead import LookaheadProposer
 

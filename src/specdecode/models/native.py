@@ -314,10 +314,12 @@ def _decoder(
     mask: torch.Tensor | None,
     d: _Dims,
     last_only: bool = False,
+    hidden: list | None = None,
 ) -> torch.Tensor:
     """All layers, final norm and output head: float32 ``x`` [n, hidden] -> logits [n, vocab].
 
     ``last_only`` applies the head to the last row only (prefill: the other rows are unused).
+    ``hidden``, when given, receives the last layer's output (before the final norm, all rows).
 
     The residual stream stays float32 whatever the matrices' dtype (cheap next to the matmuls,
     and bf16 text then tracks fp32 text more closely).
@@ -326,6 +328,8 @@ def _decoder(
     for i, w in enumerate(weights.layers):
         x = x + _attention(x, w, lin, keys[i], values[i], start, rope, mask, d)
         x = x + _mlp(x, w, lin, d)
+    if hidden is not None:
+        hidden.append(x)
     if last_only:
         x = x[-1:]
     return lin(_norm(x, weights.norm, d), weights.lm_head, None)
@@ -397,6 +401,9 @@ class NativeCausalLM:
         )
         self._inv_freq = inv_freq(config.rope, config.head_dim)
         self._decoder: Callable[..., torch.Tensor] = _decoder
+        # Optional observer of every forward's pre-norm features (EAGLE drafting):
+        # called as hidden_sink(input_ids [n], positions [n], attn_mask or None, hidden [n, hidden]).
+        self.hidden_sink: Callable[..., None] | None = None
 
     @classmethod
     def from_pretrained(
@@ -464,9 +471,17 @@ class NativeCausalLM:
             cos, sin = cos_sin(self._inv_freq, pos, torch.float32)
             x = F.embedding(input_ids[0], self.weights.embed).float()
             rope = (cos[:, None], sin[:, None])  # broadcast over heads
-            logits = self._decoder(
-                x, self.weights, cache.keys, cache.values, start, rope, mask, self._dims, last_only
-            )
+            sink = self.hidden_sink
+            if sink is None:
+                logits = self._decoder(
+                    x, self.weights, cache.keys, cache.values, start, rope, mask, self._dims, last_only
+                )
+            else:
+                hidden: list[torch.Tensor] = []
+                logits = self._decoder(
+                    x, self.weights, cache.keys, cache.values, start, rope, mask, self._dims, last_only, hidden
+                )
+                sink(input_ids[0], pos, attn_mask, hidden[0])
         except BaseException:
             cache.trim(start)  # a failed forward leaves the cache as it was
             raise

@@ -1,0 +1,243 @@
+"""EAGLE drafting: a one-layer head extrapolating the target's last-layer features.
+
+The head needs the target's feature f_i for every committed position i below the last one. It
+gets them for free from the target's own forwards: the proposer installs itself as the native
+target's ``hidden_sink`` and, at each round, keeps the rows of the last forwards (prefill, chain
+or tree verify) whose tokens the committed context confirms. If a feature is missing anyway (a
+forward it did not see), it recomputes it with its own target forward on a private cache, so the
+drafts never depend on how the decoder is driven. Either way the outputs stay exact: q is
+reported for exactly the distribution each draft token was drawn from.
+
+Head entry i holds the pair (f_i, x_{i+1}) and predicts f_{i+1}; drafting continues from its own
+predictions. The head cache keeps only entries built from true features and is trimmed back to
+them after every round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
+from specdecode.core.verify import Draft
+from specdecode.errors import ConfigError
+from specdecode.models.static_cache import StaticKVCache
+
+DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
+
+
+def drafter_name(source: str | Path) -> str:
+    """The drafter folder name of a model folder: 'SmolLM2-135M-Instruct.Q4_1-<hash>' -> 'smollm2-135m-instruct'."""
+    return Path(str(source)).name.split(".")[0].lower()
+
+
+def shipped_head_dir(source: str | Path, kind: str = "eagle") -> Path:
+    return DRAFTERS_DIR / drafter_name(source) / kind
+
+
+class EagleProposer:
+    name = "eagle"
+
+    def __init__(self, target, head=None, path: str | Path | None = None, branch: int = 4) -> None:
+        from specdecode.train.eagle import load_head
+
+        if getattr(target, "backend", None) != "native":
+            raise ConfigError("EAGLE needs the native backend (it reads the target's hidden features)")
+        if branch < 1:
+            raise ConfigError(f"branch must be >= 1, got {branch}")
+        if head is None:
+            if path is None:
+                raise ConfigError("EAGLE needs a trained head (a folder with model.safetensors and card.json)")
+            head, self.card = load_head(path)
+        else:
+            self.card = {}
+        head.attach(target)
+        self.head = head.eval()
+        self.target = target
+        self.branch = branch
+        cfg = head.cfg
+        self.hidden = cfg.hidden
+        self._records: list[tuple] = []
+        self.reset([])
+
+    # -- features from the target's forwards ---------------------------------------------------
+    def _record(self, ids, positions, mask, hidden) -> None:
+        self._records.append((ids, positions, mask, hidden))
+        del self._records[:-4]  # at most one prefill and a few rounds are ever pending
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.target.hidden_sink = self._record
+        self._records = []
+        self.feats = torch.empty(len(prompt_ids) + 256, self.hidden)
+        self.known = torch.zeros(self.feats.shape[0], dtype=torch.bool)
+        self.nfeat = 0  # feats[:nfeat] are the target's features of the context's positions
+        self.cache = StaticKVCache(1, self.head.cfg.kv_heads, self.head.cfg.head_dim, len(prompt_ids) + 256, torch.float32)
+        self.hlen = 0  # head entries 0..hlen-1 are built from true features and committed tokens
+        self._own = None  # private target cache for features the sink missed
+        self._own_len = 0
+
+    def _ensure(self, n: int) -> None:
+        if n > self.feats.shape[0]:
+            size = max(n, 2 * self.feats.shape[0])
+            feats, known = torch.empty(size, self.hidden), torch.zeros(size, dtype=torch.bool)
+            feats[: self.feats.shape[0]] = self.feats
+            known[: self.known.shape[0]] = self.known
+            self.feats, self.known = feats, known
+
+    def _absorb(self, context: list[int]) -> None:
+        """Keep the recorded rows whose tokens (and attended new tokens) the context confirms."""
+        n_ctx = len(context)
+        for ids, positions, mask, hidden in self._records:
+            ids, pos = ids.tolist(), positions.tolist()
+            match = [p < n_ctx and t == context[p] for t, p in zip(ids, pos)]
+            n = len(ids)
+            if mask is None:  # causal: a row is valid when it and every row before it match
+                ok, valid = True, []
+                for m in match:
+                    ok = ok and m
+                    valid.append(ok)
+            else:
+                block = mask.reshape(n, -1)[:, -n:]
+                valid = [match[i] and all(match[j] for j in block[i].nonzero().flatten().tolist()) for i in range(n)]
+            rows = [i for i in range(n) if valid[i]]
+            if rows:
+                self._ensure(max(pos[i] for i in rows) + 1)
+                index = torch.tensor([pos[i] for i in rows])
+                self.feats[index] = hidden[rows].float()
+                self.known[index] = True
+        self._records = []
+        while self.nfeat < self.known.shape[0] and self.known[self.nfeat]:
+            self.nfeat += 1
+
+    def _fill(self, context: list[int], needed: int) -> None:
+        """Compute features for positions nfeat..needed-1 with a private target forward."""
+        if self._own is None:
+            self._own = self.target.new_cache(len(context) + 256)
+            self._own_len = 0
+        self._own.trim(min(self._own_len, self.nfeat, self._own.length))
+        start = self._own.length
+        got: list[torch.Tensor] = []
+        saved = self.target.hidden_sink
+        self.target.hidden_sink = lambda _i, _p, _m, h: got.append(h)
+        try:
+            self.target.forward(torch.tensor([context[start:needed]]), self._own, last_only=True)
+        finally:
+            self.target.hidden_sink = saved
+        self._own_len = needed
+        self._ensure(needed)
+        self.feats[start:needed] = got[0].float()
+        self.known[start:needed] = True
+        self.nfeat = max(self.nfeat, needed)
+        while self.nfeat < self.known.shape[0] and self.known[self.nfeat]:
+            self.nfeat += 1
+
+    def _sync(self, context: list[int]) -> torch.Tensor | None:
+        """Head entries for every committed pair; the predicted feature f^_{L-1} ([1, 1, hidden])."""
+        n = len(context)
+        if n < 2:
+            return None
+        self._absorb(context)
+        if self.nfeat < n - 1:
+            self._fill(context, n - 1)
+        self.cache.trim(self.hlen)
+        lo, hi = self.hlen, n - 1  # new entries lo..hi-1
+        out = self._step(self.feats[lo:hi].unsqueeze(0), torch.tensor(context[lo + 1 : hi + 1]), torch.arange(lo, hi))
+        self.hlen = hi
+        return out[:, -1:]
+
+    def _step(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask=None) -> torch.Tensor:
+        start = self.cache.reserve(feats.shape[1])
+        return self.head(
+            feats, self.head.embed_tokens(tokens).unsqueeze(0), positions,
+            self.cache.keys[0], self.cache.values[0], start, mask,
+        )
+
+    # -- chains -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        out = self._sync(context) if k > 0 else None
+        if out is None:
+            return Draft.empty()
+        vocab_ids, n = self.head.vocab_ids, len(context)
+        tokens, probs = [], []
+        for i in range(k):
+            small = logits_to_probs(self.head.logits(out[0]), sampling)  # [1, draft_vocab]
+            j = small.argmax(-1) if sampling.greedy else sample(small, generator)
+            tok = vocab_ids[j]
+            tokens.append(tok)
+            if not sampling.greedy:
+                q = torch.zeros(1, self.head.cfg.vocab_size)
+                q[:, vocab_ids] = self._reported(small, out[0], sampling)
+                probs.append(q)
+            if i + 1 < k:
+                out = self._step(out, tok, torch.tensor([n - 1 + i]))
+        self.cache.trim(self.hlen)
+        return Draft(tokens=torch.stack(tokens, dim=1), probs=None if sampling.greedy else torch.stack(probs, dim=1))
+
+    def _reported(self, q: torch.Tensor, feature: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+        """The q reported to the verifier: exactly the distribution the token was drawn from."""
+        return q
+
+    # -- trees --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_tree(self, context: list[int], k: int, max_nodes: int) -> list[list[int]]:
+        """Top-``branch`` children per node, keeping the best cumulative probabilities (EAGLE-2)."""
+        out = self._sync(context)
+        if out is None or k < 1:
+            return []
+        base, n = self.cache.length, len(context)
+        vocab_ids = self.head.vocab_ids
+        self._parents: dict[int, int] = {}  # head cache slot of a scored node -> its parent's slot
+        nodes: list[_Node] = []
+        frontier = [(_Node((), 1.0, -1), out[0, 0])]
+        for depth in range(k):
+            options = []
+            for node, feat in frontier:
+                top = torch.topk(torch.softmax(self.head.logits(feat), -1), min(self.branch, vocab_ids.shape[0]))
+                for p, j in zip(top.values.tolist(), top.indices.tolist()):
+                    options.append((_Node(node.tokens + (int(vocab_ids[j]),), node.prob * p, -1), node))
+            options.sort(key=lambda o: -o[0].prob)
+            level = options[: max(0, max_nodes - len(nodes))]
+            if not level:
+                break
+            nodes.extend(o[0] for o in level)
+            if len(nodes) >= max_nodes or depth + 1 == k:
+                break
+            frontier = self._score_level(level, frontier, base, n - 1 + depth)
+        self.cache.trim(self.hlen)
+        inner = {node.tokens[:-1] for node in nodes}
+        return [list(node.tokens) for node in nodes if node.tokens not in inner]
+
+    def _score_level(self, level, frontier, base: int, position: int) -> list:
+        """One masked head forward over a level: each node sees the committed entries and its ancestors."""
+        start, m = self.cache.length, len(level)
+        feats = {id(node): feat for node, feat in frontier}
+        mask = torch.zeros(m, start + m, dtype=torch.bool)
+        mask[:, :base] = True
+        for i, (node, parent) in enumerate(level):
+            slot = parent.slot
+            while slot >= 0:  # the parent's entry and, through it, its ancestors'
+                mask[i, slot] = True
+                slot = self._parents[slot]
+            mask[i, start + i] = True
+        parent_feats = torch.stack([feats[id(parent)] for _, parent in level]).unsqueeze(0)
+        tokens = torch.tensor([node.tokens[-1] for node, _ in level])
+        out = self._step(parent_feats, tokens, torch.full((m,), position, dtype=torch.long), mask)[0]
+        result = []
+        for i, (node, parent) in enumerate(level):
+            node.slot = start + i
+            self._parents[start + i] = parent.slot
+            result.append((node, out[i]))
+        return result
+
+    def observe(self, num_accepted: int) -> None:
+        pass  # the next round's _absorb keeps exactly the verified rows
+
+
+@dataclass
+class _Node:
+    tokens: tuple[int, ...]
+    prob: float
+    slot: int  # head cache index of this node's entry (-1: not scored)

@@ -1,0 +1,1 @@
+"""Training drafters for a target by self-distillation (``specdecode train ...``)."""

@@ -1,0 +1,229 @@
+"""Offline self-distillation data: the target's own continuations and features, never Spec-Bench.
+
+Two prompt sources, both generated locally:
+
+* instructions made from templates x topics (:func:`instruction_prompts`), answered by the target
+  itself (batched greedy generation through transformers: ~4x the tokens per second of one
+  sequence at a time on CPU);
+* chunks of the Python standard library's source on disk (code and docstrings), teacher-forced
+  in one prefill each, half as plain text and half as an assistant turn under the chat template.
+
+Every sequence is then run once through the native target, recording the last layer's output
+(before the final norm) at every position. A shard holds ``tokens`` (int32 [N]), ``features``
+(float16 [N, hidden]) and ``offsets`` (int64 [S + 1], sequence boundaries), plus ``heldout``
+(int64 [S], 1 for sequences kept out of training).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+
+TEMPLATES = [
+    "Explain {t} in simple terms.",
+    "Write a short paragraph about {t}.",
+    "Give me three tips related to {t}.",
+    "What are the main advantages and disadvantages of {t}?",
+    "Describe the history of {t} briefly.",
+    "How would you teach {t} to a beginner?",
+    "Write a short poem about {t}.",
+    "List five facts about {t}.",
+    "Write an email to a friend about {t}.",
+    "What is the most common misconception about {t}?",
+    "Compare {t} with {u}.",
+    "Write a step-by-step guide to getting started with {t}.",
+    "Why is {t} important today?",
+    "Summarize what people should know about {t} in a few sentences.",
+    "Write a Python function related to {t}, with a docstring.",
+    "Create a short quiz with answers about {t}.",
+    "Write a dialogue between two people discussing {t}.",
+    "What questions would an expert ask about {t}?",
+]
+
+TOPICS = [
+    "gardening", "volcanoes", "the stock market", "machine learning", "photosynthesis", "jazz music",
+    "the French revolution", "climate change", "sorting algorithms", "healthy breakfasts", "chess openings",
+    "black holes", "public transport", "the immune system", "renewable energy", "ancient Rome", "coffee",
+    "recursion", "time management", "bird migration", "the water cycle", "electric cars", "databases",
+    "meditation", "plate tectonics", "origami", "supply and demand", "the human heart", "volunteering",
+    "prime numbers", "baking bread", "the Internet", "honey bees", "job interviews", "recycling",
+    "linear regression", "mountain hiking", "the Moon landing", "spreadsheets", "friendship",
+    "probability", "solar panels", "writing a resume", "dinosaurs", "the printing press", "vaccines",
+    "hash tables", "learning a language", "ocean currents", "budget travel", "graph theory", "tea",
+    "the Renaissance", "smartphones", "sleep", "running a marathon", "compound interest", "rainforests",
+    "unit testing", "classical music", "earthquakes", "nutrition labels", "regular expressions",
+]
+
+# Topics never used for training data: held-out evaluation prompts come from these.
+HELDOUT_TOPICS = ["glaciers", "board games", "bicycle repair", "the Silk Road", "binary search"]
+
+
+def instruction_prompts(n: int, seed: int, topics: list[str] = TOPICS) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        t, u = rng.sample(topics, 2)
+        out.append(rng.choice(TEMPLATES).format(t=t, u=u))
+    return out
+
+
+def heldout_prompts(n: int = 4) -> list[str]:
+    return [TEMPLATES[i % len(TEMPLATES)].format(t=t, u=HELDOUT_TOPICS[i - 1]) for i, t in enumerate(HELDOUT_TOPICS[:n])]
+
+
+def stdlib_texts(n: int, seed: int, max_chars: int = 1600) -> list[str]:
+    """``n`` random chunks of the standard library's ``.py`` files (tests excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts)
+    rng = random.Random(seed)
+    out: list[str] = []
+    while len(out) < n and files:
+        path = rng.choice(files)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) < 200:
+            continue
+        start = rng.randrange(max(1, len(text) - max_chars))
+        start = text.rfind("\n", 0, start) + 1  # begin at a line start
+        out.append(text[start : start + max_chars])
+    return out
+
+
+def chat_ids(tokenizer, user: str, assistant: str | None = None) -> list[int]:
+    """Token ids of a user turn (and an assistant reply), plain text without a chat template."""
+    if getattr(tokenizer, "chat_template", None):
+        msgs = [{"role": "user", "content": user}]
+        if assistant is None:
+            enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
+        else:
+            msgs.append({"role": "assistant", "content": assistant})
+            enc = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True)
+        return list(enc["input_ids"])
+    return list(tokenizer.encode(user + ("\n" + assistant if assistant else "\n"), add_special_tokens=False))
+
+
+def generate_responses(model_dir: Path, tokenizer, prompts: list[list[int]], max_new: int, batch: int, eos: tuple[int, ...], progress: bool = True) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` by the target (transformers, left-padded batches)."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    out: list[list[int]] = []
+    for i in tqdm(range(0, len(prompts), batch), desc="generate", disable=not progress):
+        group = prompts[i : i + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                                 pad_token_id=pad, eos_token_id=list(eos) or None)
+        for p, row in zip(group, gen[:, width:].tolist()):
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            out.append(p + row[:cut])
+    return out
+
+
+@torch.inference_mode()
+def target_features(target, ids: list[int]) -> torch.Tensor:
+    """The native target's pre-norm last-layer features for every position of ``ids`` [n, hidden]."""
+    got: list[torch.Tensor] = []
+    saved = target.hidden_sink
+    target.hidden_sink = lambda _ids, _pos, _mask, hidden: got.append(hidden)
+    try:
+        target.forward(torch.tensor([ids]), target.new_cache(len(ids) + 1), last_only=True)
+    finally:
+        target.hidden_sink = saved
+    return got[0]
+
+
+def build_dataset(
+    model_dir: str | Path,
+    out_path: str | Path,
+    *,
+    n_generated: int = 64,
+    gen_tokens: int = 128,
+    n_chunks: int = 64,
+    chunk_chars: int = 1600,
+    seed: int = 0,
+    batch: int = 32,
+    heldout_fraction: float = 0.05,
+    progress: bool = True,
+) -> dict:
+    """Write a shard to ``out_path``; return its summary (sequence and token counts)."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from specdecode.models.loading import eos_token_ids, load_tokenizer
+    from specdecode.models.native import NativeCausalLM
+
+    model_dir = Path(model_dir)
+    tok = load_tokenizer(model_dir)
+    target = NativeCausalLM.from_pretrained(model_dir)
+    eos = eos_token_ids(tok, target.config)
+    limit = min(target.max_length, 2048)
+    rng = random.Random(seed)
+
+    prompts = [chat_ids(tok, p) for p in instruction_prompts(n_generated, seed)]
+    sequences = generate_responses(model_dir, tok, prompts, gen_tokens, batch, eos, progress) if prompts else []
+    kinds = ["generated"] * len(sequences)
+    for j, text in enumerate(stdlib_texts(n_chunks, seed + 1, chunk_chars)):
+        if j % 2 == 0:
+            ids = list(tok.encode(text, add_special_tokens=False))
+        else:
+            ask = rng.choice(["Show me some Python code from the standard library.", "Write an example Python module.",
+                              "Write Python code with docstrings.", "Continue this Python code."])
+            ids = chat_ids(tok, ask, text)
+        if len(ids) >= 8:
+            sequences.append(ids)
+            kinds.append("stdlib")
+    sequences = [s[:limit] for s in sequences]
+
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    n_held = max(1, round(len(order) * heldout_fraction)) if len(order) > 1 else 0
+    held = set(order[:n_held])
+
+    feats, toks, offsets = [], [], [0]
+    for s in tqdm(sequences, desc="features", disable=not progress):
+        feats.append(target_features(target, s).half())
+        toks.append(torch.tensor(s, dtype=torch.int32))
+        offsets.append(offsets[-1] + len(s))
+    summary = {
+        "sequences": len(sequences),
+        "tokens": offsets[-1],
+        "generated_sequences": kinds.count("generated"),
+        "stdlib_sequences": kinds.count("stdlib"),
+        "heldout_sequences": n_held,
+        "seed": seed,
+    }
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {
+            "tokens": torch.cat(toks),
+            "features": torch.cat(feats),
+            "offsets": torch.tensor(offsets, dtype=torch.int64),
+            "heldout": torch.tensor([int(i in held) for i in range(len(sequences))], dtype=torch.int64),
+        },
+        str(out_path),
+        metadata={"summary": json.dumps(summary)},
+    )
+    return summary
+
+
+def load_dataset(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as f:
+        summary = json.loads(f.metadata()["summary"])
+    return load_file(str(path)), summary

@@ -1,0 +1,221 @@
+"""The EAGLE draft head: one Llama decoder layer over (target feature, next token embedding).
+
+At position t the head reads the target's last-layer feature f_t (before the final norm) and the
+embedding of token x_{t+1}, and predicts f_{t+1}; the target's frozen final norm and LM head turn
+a predicted feature into next-token logits. Drafting feeds the head its own predictions.
+
+Only the head's own tensors are stored (fc, norms, attention, MLP, the draft vocabulary); the
+embedding, final norm and LM head are taken from the target at load time. Logits cover a reduced
+draft vocabulary (the most frequent tokens) mapped back to full-vocabulary ids: q is zero outside
+it, which keeps verification exact and makes each draft step several times cheaper.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.errors import ConfigError, ModelLoadError
+from specdecode.models.rope import cos_sin, inv_freq
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    vocab_size: int  # the target's full vocabulary
+    draft_vocab: int  # rows of the reduced output head
+
+    @classmethod
+    def for_target(cls, target, draft_vocab: int) -> "HeadConfig":
+        c = target.config
+        return cls(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                   c.rms_norm_eps, target.vocab_size, min(draft_vocab, target.vocab_size))
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden
+        self.feat_norm = nn.Parameter(torch.ones(h))
+        self.emb_norm = nn.Parameter(torch.ones(h))
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.ln1 = nn.Parameter(torch.ones(h))
+        self.qkv = nn.Linear(h, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
+        self.o = nn.Linear(cfg.heads * cfg.head_dim, h, bias=False)
+        self.ln2 = nn.Parameter(torch.ones(h))
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate, bias=False)
+        self.down = nn.Linear(cfg.intermediate, h, bias=False)
+        # Full-vocabulary ids of the draft vocabulary's rows.
+        self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab, dtype=torch.long))
+
+    # -- frozen pieces taken from the target ---------------------------------------------------
+    def attach(self, target) -> None:
+        """Bind the target's embedding, final norm, LM head rows and RoPE (not parameters)."""
+        w = target.weights
+        if target.vocab_size != self.cfg.vocab_size or w.embed.shape[1] != self.cfg.hidden:
+            raise ConfigError(
+                f"EAGLE head was trained for vocab {self.cfg.vocab_size} / hidden {self.cfg.hidden}; "
+                f"target has {target.vocab_size} / {w.embed.shape[1]}"
+            )
+        self.embed = w.embed
+        self.norm_weight = w.norm.float()
+        if target.config.tie_word_embeddings or w.linear is F.linear:
+            source = w.embed if target.config.tie_word_embeddings else w.lm_head
+            self.out_rows = source[self.vocab_ids].float().contiguous()
+        else:  # an untied, prepacked head: take its rows by multiplying by the identity
+            eye = torch.eye(self.cfg.hidden, dtype=target.dtype)
+            self.out_rows = w.linear(eye, w.lm_head, None).float().t()[self.vocab_ids].contiguous()
+        self.inv_freq = inv_freq(target.config.rope, self.cfg.head_dim)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed).float()
+
+    def logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., draft_vocab] of features [..., hidden]."""
+        return F.linear(F.rms_norm(feats.float(), (self.cfg.hidden,), self.norm_weight, self.cfg.eps), self.out_rows)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cos_sin(self.inv_freq, positions.reshape(-1), torch.float32)
+
+    # -- the layer -----------------------------------------------------------------------------
+    def forward(
+        self,
+        feats: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        start: int = 0,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predicted next features [B, T, hidden] from feats, embeds [B, T, hidden].
+
+        Training: no cache, causal attention within each row. Drafting (B = 1): ``keys``/``values``
+        [1, kv_heads, capacity, head_dim] get the new entries at ``start``; ``mask`` (bool
+        [T, start + T], True = may attend) defaults to causal.
+        """
+        c = self.cfg
+        eps, h = c.eps, c.hidden
+        x = self.fc(torch.cat([F.rms_norm(feats, (h,), self.feat_norm, eps), F.rms_norm(embeds, (h,), self.emb_norm, eps)], -1))
+        b, t, _ = x.shape
+        qkv = self.qkv(F.rms_norm(x, (h,), self.ln1, eps))
+        hq, hkv, hd = c.heads, c.kv_heads, c.head_dim
+        cos, sin = self.rope(positions)  # positions [T], shared by every row
+        cos, sin = cos.view(1, t, 1, hd), sin.view(1, t, 1, hd)
+        qk = _rotate(qkv[..., : (hq + hkv) * hd].view(b, t, hq + hkv, hd), cos, sin)
+        q = qk[:, :, :hq].transpose(1, 2)
+        k = qk[:, :, hq:].transpose(1, 2)
+        v = qkv[..., (hq + hkv) * hd :].view(b, t, hkv, hd).transpose(1, 2)
+        if keys is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != hq)
+        else:
+            end = start + t
+            keys[:, :, start:end] = k
+            values[:, :, start:end] = v
+            if mask is None and t > 1:
+                rows = torch.arange(start, end)[:, None]
+                mask = torch.arange(end)[None, :] <= rows
+            out = F.scaled_dot_product_attention(
+                q, keys[:, :, :end], values[:, :, :end],
+                attn_mask=None if mask is None else mask.view(1, 1, t, end), enable_gqa=hkv != hq,
+            )
+        x = x + self.o(out.transpose(1, 2).reshape(b, t, hq * hd))
+        gate, up = self.gate_up(F.rms_norm(x, (h,), self.ln2, eps)).split(c.intermediate, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+    def init_from_target(self, target) -> None:
+        """Start the layer from the target's last decoder layer (converges much faster)."""
+        w = target.weights.layers[-1]
+        if target.weights.linear is not F.linear:  # prepacked matrices: keep the random init
+            return
+        with torch.no_grad():
+            self.qkv.weight.copy_(w.wqkv.float())
+            self.o.weight.copy_(w.wo.float())
+            self.gate_up.weight.copy_(w.wgu.float())
+            self.down.weight.copy_(w.wd.float())
+            self.ln1.copy_(w.ln1.float())
+            self.ln2.copy_(w.ln2.float())
+
+
+def head_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, scale: float, noise: float = 0.0,
+              valid: torch.Tensor | None = None):
+    """EAGLE's loss on windows: feats [B, T+1, hidden] (f_0..f_T), tokens [B, T+1] (x_0..x_T).
+
+    Pair i = (f_i, x_{i+1}) predicts f_{i+1}: smooth-L1 on features (divided by ``scale``, the
+    features' RMS) plus cross-entropy against the target's own next-token distribution (its final
+    norm and head applied to the true f_{i+1}) over the draft vocabulary. Returns
+    (loss, regression, cross-entropy, top-1 agreement with the target's argmax). ``valid`` [B, T]
+    (bool) drops pairs that straddle two sequences.
+    """
+    inputs = feats[:, :-1].float()
+    if noise > 0:
+        inputs = inputs + (torch.rand_like(inputs) - 0.5) * (2 * noise * scale)
+    truth = feats[:, 1:].float()
+    positions = torch.arange(inputs.shape[1])
+    pred = head(inputs, head.embed_tokens(tokens[:, 1:]), positions)
+    w = torch.ones(pred.shape[:2]) if valid is None else valid.float()
+    total = w.sum().clamp_min(1.0)
+    reg = (F.smooth_l1_loss(pred / scale, truth / scale, reduction="none").mean(-1) * w).sum() / total
+    with torch.no_grad():
+        target_logits = head.logits(truth)
+        p = torch.softmax(target_logits, dim=-1)
+    logits = head.logits(pred)
+    ce = (-(p * torch.log_softmax(logits, dim=-1)).sum(-1) * w).sum() / total
+    agree = ((logits.argmax(-1) == target_logits.argmax(-1)).float() * w).sum() / total
+    return reg + 0.1 * ce, reg.detach(), ce.detach(), agree.detach()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+# -- storage ------------------------------------------------------------------------------------
+
+WEIGHTS_FILE = "model.safetensors"
+CARD_FILE = "card.json"
+
+
+def save_head(head: EagleHead, folder: str | Path, card: dict, dtype: torch.dtype = torch.float16) -> Path:
+    """Write the head's own tensors (``dtype``) and its JSON card into ``folder``."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in head.state_dict().items()}
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"config": json.dumps(asdict(head.cfg))})
+    digest = hashlib.sha256((folder / WEIGHTS_FILE).read_bytes()).hexdigest()
+    card = dict(card, config=asdict(head.cfg), weights_sha256=digest, weights_dtype=str(dtype).replace("torch.", ""))
+    (folder / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
+    return folder
+
+
+def load_head(folder: str | Path) -> tuple[EagleHead, dict]:
+    """The head (float32, eval mode) and its card from a folder written by :func:`save_head`."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    path = folder / WEIGHTS_FILE
+    if not path.exists():
+        raise ModelLoadError(f"no EAGLE head at {folder} (missing {WEIGHTS_FILE})")
+    with safe_open(str(path), "pt") as f:
+        cfg = HeadConfig(**json.loads(f.metadata()["config"]))
+    head = EagleHead(cfg)
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
+    head.load_state_dict(tensors)
+    card_path = folder / CARD_FILE
+    card = json.loads(card_path.read_text()) if card_path.exists() else {}
+    return head.eval(), card

@@ -1,0 +1,289 @@
+"""``specdecode train eagle``: build self-distilled data, train the head, checkpoint, resume, report.
+
+    specdecode train eagle --out runs/eagle [--target DIR] [--steps N] [--resume] [--seed S] [--quick]
+
+The output folder holds ``data.safetensors`` (built once, reused), ``checkpoint.pt`` (every
+``--checkpoint-every`` steps; ``--resume`` continues from it) and the final head
+(``model.safetensors`` + ``card.json``). Training ends with held-out acceptance: top-1 agreement
+with the target on held-out sequences and the mean accepted length of real greedy decoding on
+prompts whose topics never appear in the training data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdecode.train import data as data_mod
+from specdecode.train.eagle import EagleHead, HeadConfig, head_loss, save_head
+
+QUICK = dict(n_generated=4, gen_tokens=24, n_chunks=6, chunk_chars=600, steps=20, batch=4, seq_len=32,
+             eval_prompts=2, eval_tokens=16)
+FULL = dict(n_generated=256, gen_tokens=160, n_chunks=400, chunk_chars=1600, steps=1500, batch=8, seq_len=256,
+            eval_prompts=4, eval_tokens=64)
+
+
+class Stream:
+    """Training sequences concatenated; random windows; pairs across a boundary are masked."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], heldout: bool, only: set[int] | None = None) -> None:
+        offsets, held = tensors["offsets"].tolist(), tensors["heldout"].tolist()
+        keep = [i for i in range(len(held)) if bool(held[i]) == heldout and (only is None or i in only)]
+        idx = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in keep]) if keep else torch.zeros(0, dtype=torch.long)
+        self.tokens = tensors["tokens"][idx].long()
+        self.features = tensors["features"][idx]
+        starts = torch.zeros(len(idx), dtype=torch.bool)
+        pos = 0
+        for i in keep:
+            starts[pos] = True
+            pos += offsets[i + 1] - offsets[i]
+        self.starts = starts
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def window(self, start: int, length: int):
+        sl = slice(start, start + length + 1)
+        return self.features[sl].float(), self.tokens[sl], ~self.starts[start + 1 : start + length + 1]
+
+    def batch(self, rng: random.Random, size: int, length: int):
+        length = min(length, len(self) - 1)
+        parts = [self.window(rng.randrange(len(self) - length), length) for _ in range(size)]
+        return tuple(torch.stack(x) for x in zip(*parts))
+
+
+def _lr(step: int, steps: int, base: float, warmup: int) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def draft_vocabulary(tokens: torch.Tensor, size: int, vocab: int, always: tuple[int, ...]) -> torch.Tensor:
+    """The ``size`` most frequent ids of ``tokens`` (``always`` first), padded with the lowest unused ids."""
+    counts = torch.bincount(tokens, minlength=vocab).float()
+    counts[list(always)] = float("inf")
+    return torch.argsort(counts, descending=True, stable=True)[:size].sort().values
+
+
+def train_eagle(
+    out: str | Path,
+    target: str | None = None,
+    *,
+    steps: int | None = None,
+    resume: bool = False,
+    seed: int = 0,
+    quick: bool = False,
+    draft_vocab: int = 8192,
+    lr: float = 5e-4,
+    checkpoint_every: int = 100,
+    progress: bool = True,
+    stop_at: int | None = None,
+    max_minutes: float | None = None,
+    chat_weight: float = 0.7,
+    init_from: str | Path | None = None,
+    **overrides,
+) -> dict | None:
+    """Train an EAGLE head for ``target`` (None: the default model) into ``out``; return its card.
+
+    ``stop_at`` (a step) or ``max_minutes`` (of training) interrupt the run cleanly: a checkpoint
+    is written and None returned; ``resume=True`` continues it later on the same schedule.
+    """
+    from tqdm import tqdm
+
+    from specdecode.models.loading import eos_token_ids, load_tokenizer, resolve_model_dir
+    from specdecode.models.native import NativeCausalLM
+
+    opts = dict(QUICK if quick else FULL)
+    opts.update({k: v for k, v in overrides.items() if v is not None})
+    if steps is not None:
+        opts["steps"] = steps
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    model_dir = resolve_model_dir(target)
+
+    data_path = out / "data.safetensors"
+    t0 = time.perf_counter()
+    if not data_path.exists():
+        data_mod.build_dataset(
+            model_dir, data_path, n_generated=opts["n_generated"], gen_tokens=opts["gen_tokens"],
+            n_chunks=opts["n_chunks"], chunk_chars=opts["chunk_chars"], seed=seed, progress=progress,
+        )
+    data_seconds = time.perf_counter() - t0
+    tensors, summary = data_mod.load_dataset(data_path)
+    train, held = Stream(tensors, heldout=False), Stream(tensors, heldout=True)
+    # The target's own chat answers (the first sequences of the shard) are what decoding sees:
+    # sample them with probability ``chat_weight`` and let them dominate the draft vocabulary.
+    chat = Stream(tensors, heldout=False, only=set(range(summary.get("generated_sequences", 0))))
+
+    target_model = NativeCausalLM.from_pretrained(model_dir, pack=False)
+    tok = load_tokenizer(model_dir)
+    eos = eos_token_ids(tok, target_model.config)
+    cfg = HeadConfig.for_target(target_model, draft_vocab)
+    head = EagleHead(cfg)
+    with torch.no_grad():
+        counts_from = torch.cat([train.tokens] + [chat.tokens] * 20) if len(chat) and chat_weight > 0 else train.tokens
+        head.vocab_ids.copy_(draft_vocabulary(counts_from, cfg.draft_vocab, cfg.vocab_size, eos))
+    head.attach(target_model)
+    head.init_from_target(target_model)
+    if init_from is not None:  # warm start from an earlier head (its layer; this run's vocabulary)
+        from specdecode.train.eagle import load_head
+
+        earlier, _ = load_head(init_from)
+        state = {k: v for k, v in earlier.state_dict().items() if k != "vocab_ids"}
+        head.load_state_dict(state, strict=False)
+    scale = float(train.features[: 200_000].float().pow(2).mean().sqrt())
+    params = [p for p in head.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(seed)
+    start_step, history, train_seconds = 0, [], 0.0
+    ckpt = out / "checkpoint.pt"
+    if resume and ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"])
+        optim.load_state_dict(state["optim"])
+        start_step, history, train_seconds = state["step"], state["history"], state["train_seconds"]
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+    total = opts["steps"]
+    head.train()
+    bar = tqdm(range(start_step, total), desc="train eagle", initial=start_step, total=total, disable=not progress)
+    t1 = time.perf_counter()
+    for step in bar:
+        for g in optim.param_groups:
+            g["lr"] = _lr(step, total, lr, warmup=min(50, max(1, total // 10)))
+        source = chat if len(chat) > opts["seq_len"] + 1 and chat_weight > 0 and rng.random() < chat_weight else train
+        feats, tokens, valid = source.batch(rng, opts["batch"], opts["seq_len"])
+        loss, reg, ce, agree = head_loss(head, feats, tokens, scale, noise=0.05, valid=valid)
+        optim.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        history.append([step, float(loss.detach()), float(reg), float(ce), float(agree)])
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", ce=f"{float(ce):.2f}", top1=f"{float(agree):.2f}")
+        interrupted = (stop_at is not None and step + 1 >= stop_at) or (
+            max_minutes is not None and time.perf_counter() - t1 > 60 * max_minutes
+        )
+        if (step + 1) % checkpoint_every == 0 or step + 1 == total or interrupted:
+            elapsed = train_seconds + time.perf_counter() - t1
+            torch.save({"head": head.state_dict(), "optim": optim.state_dict(), "step": step + 1,
+                        "history": history, "train_seconds": elapsed, "rng": rng.getstate(),
+                        "torch_rng": torch.get_rng_state()}, ckpt)
+        if interrupted and step + 1 < total:
+            bar.close()
+            print(f"stopped at step {step + 1}/{total}; continue with --resume", flush=True)
+            return None
+    train_seconds += time.perf_counter() - t1
+    head.eval()
+
+    heldout = {"top1_agreement": heldout_agreement(head, held, scale, opts["seq_len"])}
+    heldout.update(heldout_acceptance(model_dir, head, opts["eval_prompts"], opts["eval_tokens"]))
+    card = {
+        "method": "eagle",
+        "target": Path(str(model_dir)).name,
+        "target_drafter_name": __import__("specdecode.proposers.eagle", fromlist=["drafter_name"]).drafter_name(model_dir),
+        "how": "EAGLE-1 style head (fc over [norm(feature), norm(embedding)] + one Llama layer initialised from the "
+               "target's last layer), self-distilled: smooth-L1 on the target's pre-norm features + 0.1 x "
+               "cross-entropy vs the target's own next-token distribution over the draft vocabulary",
+        "data": dict(summary, sources="templated instructions answered greedily by the target; Python stdlib "
+                                      "source chunks (plain and as chat replies), teacher-forced"),
+        "steps": total,
+        "batch": opts["batch"],
+        "seq_len": opts["seq_len"],
+        "lr": lr,
+        "seed": seed,
+        "chat_weight": chat_weight,
+        "init_from": None if init_from is None else Path(init_from).name,
+        "draft_vocab": cfg.draft_vocab,
+        "data_seconds": round(data_seconds, 1),
+        "train_seconds": round(train_seconds, 1),
+        "final_train_loss": history[-1][1] if history else None,
+        "heldout": heldout,
+        "reproduce": f"specdecode train eagle --out {out.name} --steps {total} --seed {seed} --batch {opts['batch']} "
+                     f"--seq-len {opts['seq_len']} --lr {lr} --draft-vocab {draft_vocab} --chat-weight {chat_weight}"
+                     + (f" --init-from {Path(init_from).name}" if init_from else "") + (" --quick" if quick else ""),
+    }
+    save_head(head, out, card)
+    return json.loads((out / "card.json").read_text())
+
+
+@torch.no_grad()
+def heldout_agreement(head: EagleHead, held: Stream, scale: float, seq_len: int) -> float | None:
+    """Top-1 agreement with the target's next token (draft vocabulary) over the held-out stream."""
+    if len(held) < 3:
+        return None
+    agree, n = 0.0, 0
+    for start in range(0, len(held) - 2, seq_len):
+        length = min(seq_len, len(held) - 1 - start)
+        feats, tokens, valid = held.window(start, length)
+        _, _, _, a = head_loss(head, feats[None], tokens[None], scale, valid=valid[None])
+        w = int(valid.sum())
+        agree += float(a) * w
+        n += w
+    return round(agree / max(n, 1), 4)
+
+
+def heldout_acceptance(model_dir, head: EagleHead, prompts: int, max_new: int, k: int = 4) -> dict:
+    """Mean accepted length of real greedy decoding (chain, k) on prompts with held-out topics."""
+    from specdecode.engine import Decoder, GenerationConfig
+    from specdecode.models.loading import load_model
+    from specdecode.proposers.eagle import EagleProposer
+
+    loaded = load_model(model_dir, backend="native")
+    proposer = EagleProposer(loaded.model, head=head)
+    decoder = Decoder(loaded.model, proposer, k=k, eos_token_ids=loaded.eos_token_ids)
+    rounds = tokens = 0
+    for text in data_mod.heldout_prompts(prompts):
+        ids = data_mod.chat_ids(loaded.tokenizer, text)
+        stats = decoder.generate(ids, GenerationConfig(max_new_tokens=max_new)).stats
+        rounds += stats["target_calls"]
+        tokens += round(stats["mean_accepted_length"] * stats["target_calls"])
+    loaded.model.hidden_sink = None
+    return {"mean_accepted_length": round(tokens / max(rounds, 1), 3), "k": k, "prompts": prompts,
+            "max_new_tokens": max_new, "decoding": "greedy, chain"}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("eagle",):
+        print("usage: specdecode train eagle --out DIR [--target DIR] [--steps N] [--resume] [--seed S] [--quick]")
+        return 2
+    p = argparse.ArgumentParser(prog="specdecode train eagle", description="Train an EAGLE draft head by self-distillation.")
+    p.add_argument("--out", required=True, help="output folder (data, checkpoints, final head + card.json)")
+    p.add_argument("--target", default=None, help="native target folder or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny data and few steps (smoke test)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--generated", type=int, default=None, help="templated prompts answered by the target")
+    p.add_argument("--chunks", type=int, default=None, help="stdlib source chunks")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--chat-weight", type=float, default=0.7, help="share of batches from the target's chat answers")
+    p.add_argument("--init-from", default=None, help="warm start from an earlier head folder")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop (checkpointed) after this much training")
+    args = p.parse_args(argv[1:])
+    torch.set_num_threads(args.threads)
+    card = train_eagle(
+        args.out, args.target, steps=args.steps, resume=args.resume, seed=args.seed, quick=args.quick,
+        draft_vocab=args.draft_vocab, lr=args.lr, checkpoint_every=args.checkpoint_every,
+        batch=args.batch, seq_len=args.seq_len, n_generated=args.generated, n_chunks=args.chunks,
+        max_minutes=args.max_minutes, chat_weight=args.chat_weight, init_from=args.init_from,
+    )
+    if card is None:
+        return 0
+    print(json.dumps({"heldout": card["heldout"], "steps": card["steps"], "out": str(args.out)}, indent=2))
+    return 0

@@ -1,0 +1,163 @@
+"""EAGLE proposer: exact sampling (chi-square), greedy identity, feature bookkeeping, shipped head."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from helpers import ALPHA, chi_square_pvalue, sample_sequences, sequence_law, tiny_native
+from specdecode.core.sampling import SamplingConfig, logits_to_probs
+from specdecode.engine import Decoder, GenerationConfig, TreeConfig
+from specdecode.proposers.eagle import DRAFTERS_DIR, EagleProposer
+from specdecode.train.data import target_features
+from specdecode.train.eagle import EagleHead, HeadConfig, load_head
+
+N_SAMPLES = 20_000
+PROMPT = [1, 2, 3, 1, 2, 0, 1]
+SHIPPED = DRAFTERS_DIR / "smollm2-135m-instruct" / "eagle"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def random_head(target, seed: int = 0, gain: float = 1.0) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead(HeadConfig.for_target(target, draft_vocab=target.vocab_size))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.mul_(gain)
+    return head.eval()
+
+
+class WrongTemperature(EagleProposer):
+    """Samples from q at the request's temperature but reports q at a sharper one."""
+
+    def _reported(self, q, feature, sampling):
+        wrong = SamplingConfig(temperature=sampling.temperature * 0.3, top_k=sampling.top_k)
+        return logits_to_probs(self.head.logits(feature), wrong)
+
+
+def _pvalue(target, proposer, sampling, k=2, n_new=3):
+    counts = sample_sequences(Decoder(target, proposer, k=k), PROMPT, n_new, sampling, N_SAMPLES)
+    return chi_square_pvalue(counts, sequence_law(target, PROMPT, n_new, sampling))
+
+
+def test_eagle_sampling_is_exact():
+    target = tiny_native(vocab=5, seed=0)
+    proposer = EagleProposer(target, head=random_head(target, gain=3.0))
+    assert _pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4)) > ALPHA
+
+
+def test_wrong_temperature_q_is_caught():
+    target = tiny_native(vocab=5, seed=0)
+    proposer = WrongTemperature(target, head=random_head(target, gain=3.0))
+    assert _pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4)) < ALPHA
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_identity_chain_and_tree(k):
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    cfg = GenerationConfig(max_new_tokens=30)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2]
+    expected = Decoder(target, None).generate(prompt, cfg).token_ids
+    for tree in (None, TreeConfig(max_nodes=3 * k)):
+        proposer = EagleProposer(target, head=random_head(target, seed=k, gain=3.0), branch=2)
+        assert Decoder(target, proposer, k=k, tree=tree).generate(prompt, cfg).token_ids == expected
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_features_match_a_fresh_target_forward(tree):
+    """The features kept from verify forwards (chains and trees) are the target's own."""
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    proposer = EagleProposer(target, head=random_head(target, gain=3.0), branch=2)
+    decoder = Decoder(target, proposer, k=3, tree=TreeConfig(max_nodes=6) if tree else None)
+    prompt = [1, 2, 3, 4, 1, 2]
+    out = decoder.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids
+    context = prompt + out
+    proposer._absorb(context)
+    n = min(proposer.nfeat, len(context))
+    assert n >= len(context) - 2  # everything verified so far (the last tokens were never fed)
+    fresh = target_features(target, context[:n])
+    torch.testing.assert_close(proposer.feats[:n], fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_missing_features_are_recomputed():
+    """With the sink removed, drafts come from the private feature forward and stay the same."""
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    head = random_head(target, gain=3.0)
+    context = [1, 2, 3, 4, 1, 2, 5, 0]
+    greedy = SamplingConfig()
+    a = EagleProposer(target, head=head)
+    a.reset(context[:-1])
+    target.forward(torch.tensor([context[:-1]]), target.new_cache(16))  # seen by the sink
+    first = a.propose(context, 4, greedy, None).tokens
+    b = EagleProposer(target, head=head)
+    b.reset(context[:-1])
+    target.hidden_sink = None
+    second = b.propose(context, 4, greedy, None).tokens
+    assert torch.equal(first, second)
+
+
+def test_needs_native_backend():
+    from helpers import tiny_llama
+    from specdecode.errors import ConfigError
+
+    hf = tiny_llama(vocab=5)
+    with pytest.raises(ConfigError):
+        EagleProposer(hf, head=None, path=None)
+
+
+# -- the shipped head ----------------------------------------------------------------------------
+
+
+def test_shipped_head_loads_and_matches_card():
+    assert SHIPPED.is_dir(), "the default model's EAGLE head must ship with the package"
+    head, card = load_head(SHIPPED)
+    weights = SHIPPED / "model.safetensors"
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == card["weights_sha256"]
+    assert card["config"] == json.loads(json.dumps(head.cfg.__dict__))
+    assert card["method"] == "eagle" and card["steps"] > 0
+    assert card["heldout"]["mean_accepted_length"] >= 1.0
+    assert "reproduce" in card and card["reproduce"].startswith("specdecode train eagle")
+    total = sum(f.stat().st_size for f in DRAFTERS_DIR.rglob("*") if f.is_file())
+    assert total <= 25 * 1024 * 1024
+
+
+@pytest.mark.slow
+def test_shipped_head_greedy_identity_on_real_model():
+    from real_model import PROMPTS, chat_ids, default_target
+    from specdecode.api import make_proposer
+
+    loaded = default_target("native")
+    cfg = GenerationConfig(max_new_tokens=32)
+    accepted = []
+    for prompt in PROMPTS[:5]:
+        ids = chat_ids(loaded, prompt)
+        expected = Decoder(loaded.model, None, eos_token_ids=loaded.eos_token_ids).generate(ids, cfg).token_ids
+        for tree in (None, TreeConfig(max_nodes=16)):
+            proposer = make_proposer("eagle", loaded)
+            out = Decoder(loaded.model, proposer, k=4, tree=tree, eos_token_ids=loaded.eos_token_ids).generate(ids, cfg)
+            assert out.token_ids == expected, (prompt, tree)
+            accepted.append(out.stats["mean_accepted_length"])
+    loaded.model.hidden_sink = None
+    assert sum(accepted) / len(accepted) > 1.5  # a trained head, not a random one
+
+
+@pytest.mark.slow
+def test_cli_generate_with_shipped_eagle(capsys):
+    from specdecode.cli import main
+
+    argv = ["generate", "List three uses of copper.", "--method", "eagle", "--max-new-tokens", "16", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["method"] == "eagle" and out["stats"]["new_tokens"] == 16
+    assert main(argv[:-1] + ["--tree", "--temperature", "0.8", "--seed", "1"]) == 0
