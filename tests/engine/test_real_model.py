@@ -85,3 +85,16 @@ def test_stop_string_cuts_output(target):
     stop = full.strip().split()[2]
     out = gen.generate(PROMPTS[1], max_new_tokens=40, stop_strings=[stop])
     assert out.finish_reason == "stop" and stop not in out.text and full.startswith(out.text)
+
+
+@pytest.mark.parametrize(
+    "method, tree",
+    [("early-exit", False), ("lookahead", True), ("ngram", True), ("early-exit", True)],
+)
+def test_more_methods_greedy_identical_on_real_prompts(target, plain_outputs, method, tree):
+    """Issue 5's proposers and tree verification, token-identical on the real model (native)."""
+    from specdecode.api import SpeculativeGenerator
+
+    gen = SpeculativeGenerator(target, method=method, k=4, tree=tree, max_nodes=12)
+    for prompt, expected in zip(PROMPTS, plain_outputs):
+        assert gen.decoder.generate(chat_ids(target, prompt), CFG).token_ids == expected, (method, prompt)
