@@ -27,13 +27,7 @@ SAMPLINGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors: a second intra-op thread only adds synchronisation cost.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is fastest
 
 
 def markov_pair():

@@ -20,12 +20,7 @@ PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 0, 1]  # "1 2" is followed by 3, 4 and 0: a br
 N_SAMPLES = 20_000
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is fastest
 
 
 def tree_pvalue(sampling: SamplingConfig) -> float:

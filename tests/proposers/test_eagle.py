@@ -20,12 +20,7 @@ PROMPT = [1, 2, 3, 1, 2, 0, 1]
 SHIPPED = DRAFTERS_DIR / "smollm2-135m-instruct" / "eagle"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is fastest
 
 
 def random_head(target, seed: int = 0, gain: float = 1.0) -> EagleHead:

@@ -17,12 +17,7 @@ from specdecode.proposers.suffix import SuffixAutomaton, SuffixCorpus, SuffixPro
 GREEDY = SamplingConfig()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is fastest
 
 
 def occurrences(seq: list[int], pat: list[int]) -> int:

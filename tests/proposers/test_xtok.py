@@ -21,12 +21,7 @@ GREEDY = SamplingConfig()
 WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat"]  # the target's vocabulary: whole words
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is fastest
 
 
 def word_tokenizer():
