@@ -285,7 +285,7 @@ def _attention_by_row(
     SDPA's multi-row kernel can differ from its one-row kernel in the last bit; in bf16 that is
     enough to flip greedy ties, so plain and speculative decoding would part ways.
     """
-    n, total = q.shape[2], keys.shape[2]
+    n = q.shape[2]
     rows = []
     for i in range(n):
         allowed = mask[0, 0, i]
