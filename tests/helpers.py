@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from scipy import stats
 
-from specdecode.core.sampling import SamplingConfig, logits_to_probs
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
+from specdecode.core.verify import Draft, Verification, draft_probs_or_onehot
 from specdecode.engine import Decoder, GenerationConfig
 from specdecode.models.base import check_trim
 
@@ -171,3 +172,14 @@ def tiny_native(vocab: int = 6, seed: int = 0, layers: int = 2):
     folder = tempfile.mkdtemp(prefix="specdecode-tiny-")
     tiny_llama(vocab=vocab, seed=seed, layers=layers).model.save_pretrained(folder)
     return NativeCausalLM.from_pretrained(folder)
+
+
+def no_residual_verify(draft: Draft, target_probs: torch.Tensor, generator=None) -> Verification:
+    """A broken verifier: after a rejection it samples from p instead of norm(max(p - q, 0))."""
+    q = draft_probs_or_onehot(draft, target_probs.shape[-1])[0]
+    p = target_probs[0]
+    for i in range(draft.k):
+        x = int(draft.tokens[0, i])
+        if torch.rand(1, generator=generator).item() * q[i, x] >= p[i, x]:
+            return Verification(torch.tensor([i]), sample(p[i].unsqueeze(0), generator))
+    return Verification(torch.tensor([draft.k]), sample(p[draft.k].unsqueeze(0), generator))

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ALPHA, MarkovLM, TokenCache, byte_tokenizer, chi_square_pvalue, sample_sequences, sequence_law
-from specdecode.core.sampling import SamplingConfig, sample
-from specdecode.core.verify import Draft, Verification, draft_probs_or_onehot
+from helpers import ALPHA, no_residual_verify, MarkovLM, TokenCache, byte_tokenizer, chi_square_pvalue, sample_sequences, sequence_law
+from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, GenerationConfig
 from specdecode.errors import ConfigError
 from specdecode.models.loading import LoadedModel
@@ -175,17 +174,6 @@ def test_needs_tokenizers_and_a_draft():
 N_SAMPLES = 20_000
 PROMPT = [1, 2, 3]  # "the cat sat"
 SAMPLINGS = {"t0.7": SamplingConfig(temperature=0.7), "t1.2": SamplingConfig(temperature=1.2)}
-
-
-def no_residual_verify(draft: Draft, target_probs: torch.Tensor, generator=None) -> Verification:
-    """A broken verifier: after a rejection it samples from p instead of norm(max(p - q, 0))."""
-    q = draft_probs_or_onehot(draft, target_probs.shape[-1])[0]
-    p = target_probs[0]
-    for i in range(draft.k):
-        x = int(draft.tokens[0, i])
-        if torch.rand(1, generator=generator).item() * q[i, x] >= p[i, x]:
-            return Verification(torch.tensor([i]), sample(p[i].unsqueeze(0), generator))
-    return Verification(torch.tensor([draft.k]), sample(p[draft.k].unsqueeze(0), generator))
 
 
 def xtok_pvalue(sampling: SamplingConfig) -> float:
