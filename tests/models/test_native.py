@@ -317,3 +317,44 @@ def test_default_model_bf16_speculative_equals_plain(default_dir):
         plain = Decoder(native, None).generate(ids, config).token_ids
         spec = Decoder(native, NgramProposer(), k=4).generate(ids, config).token_ids
         assert spec == plain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_different_lengths_match_forwards_alone(tmp_path, dtype):
+    """One forward over three sequences (a prefill, a verify, a decode) over caches of three lengths."""
+    folder, _ = make_checkpoint(tmp_path, "qwen2-qkv-bias")
+    native = NativeCausalLM.from_pretrained(folder, dtype=dtype)
+    g = torch.Generator().manual_seed(6)
+    prefixes = [torch.randint(0, 96, (1, n), generator=g) for n in (0, 9, 3)]
+    news = [torch.randint(0, 96, (n,), generator=g) for n in (6, 4, 1)]
+    alone, batched = [], []
+    for prefix, new in zip(prefixes, news):
+        cache = native.new_cache(4)
+        if prefix.shape[1]:
+            native.forward(prefix, cache)
+        alone.append(native.forward(new[None], cache))
+        batched.append(cache)
+        cache.trim(prefix.shape[1])
+    got = native.forward_rows(news, batched)
+    for cache, prefix, new, g_row, a_row in zip(batched, prefixes, news, got, alone):
+        assert cache.length == prefix.shape[1] + new.numel() and g_row.shape == a_row.shape
+        if dtype == torch.bfloat16:  # exact: a row's result must not depend on its batch
+            assert torch.equal(g_row, a_row)
+        else:
+            torch.testing.assert_close(g_row, a_row, **FP32)
+    last = native.forward_rows([n[-1:] for n in news], batched, last_only=True)
+    assert [t.shape for t in last] == [(1, 1, 96)] * 3
+
+
+def test_rows_refuse_bad_input_and_leave_caches(tmp_path):
+    folder, _ = make_checkpoint(tmp_path, "mistral")
+    native = NativeCausalLM.from_pretrained(folder)
+    a, b = native.new_cache(8), native.new_cache(8)
+    native.forward(torch.tensor([[1, 2, 3]]), a)
+    with pytest.raises(ValueError, match="one cache per row"):
+        native.forward_rows([torch.tensor([1])], [a, b])
+    with pytest.raises(ValueError, match="at least one new token"):
+        native.forward_rows([torch.tensor([4]), torch.tensor([], dtype=torch.long)], [a, b])
+    with pytest.raises(ValueError, match="distinct cache"):
+        native.forward_rows([torch.tensor([4]), torch.tensor([5])], [a, a])
+    assert (a.length, b.length) == (3, 0)

@@ -244,29 +244,50 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def _attention(
-    x: torch.Tensor,
-    w: LayerWeights,
-    lin: Linear,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    mask: torch.Tensor | None,
-    d: _Dims,
-) -> torch.Tensor:
-    """Self-attention over the cache plus ``x`` [n, hidden]; writes the new keys/values at ``start``.
+@dataclass(frozen=True)
+class _Seq:
+    """One sequence's share of a forward: rows ``[lo, hi)`` of the input, written to its cache at ``start``."""
 
-    RoPE, the cache and attention run in float32 even for bf16 matrices: on CPU, SDPA over a
-    bf16 cache measured ~7x slower for one query (140 vs 19 us per layer), and it is more exact.
+    keys: torch.Tensor  # [layers, 1, kv_heads, capacity, head_dim]
+    values: torch.Tensor  # [layers, 1, kv_heads, capacity, head_dim]
+    start: int
+    lo: int
+    hi: int
+    mask: torch.Tensor | None  # [1, 1, hi - lo, start + hi - lo]; None: one token that sees everything
+
+
+def _attention(
+    x: torch.Tensor, w: LayerWeights, lin: Linear, layer: int, seqs: list[_Seq],
+    rope: tuple[torch.Tensor, torch.Tensor], d: _Dims,
+) -> torch.Tensor:
+    """Self-attention of ``x`` [n, hidden] (the rows of every sequence) over each sequence's cache.
+
+    The projections run once over all rows (one read of the weights for the whole batch); the
+    attention itself runs per sequence, over that sequence's cache only.
     """
     n, hq, hkv, hd = x.shape[0], d.heads, d.kv_heads, d.head_dim
     qkv = lin(_norm(x, w.ln1, d), w.wqkv, w.bqkv).float()
     # q and k rotate together: one set of elementwise ops instead of two.
     qk = _rotate(qkv[:, : (hq + hkv) * hd].view(n, hq + hkv, hd), rope[0], rope[1])
+    v = qkv[:, (hq + hkv) * hd :].view(n, hkv, hd)
+    outs = [_attend(qk[s.lo : s.hi], v[s.lo : s.hi], s.keys[layer], s.values[layer], s.start, s.mask, d) for s in seqs]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return lin(out.to(d.dtype), w.wo, w.bo)
+
+
+def _attend(
+    qk: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+    mask: torch.Tensor | None, d: _Dims,
+) -> torch.Tensor:
+    """One sequence: store its new keys/values at ``start``, attend; [n, heads * head_dim] float32.
+
+    RoPE, the cache and attention run in float32 even for bf16 matrices: on CPU, SDPA over a
+    bf16 cache measured ~7x slower for one query (140 vs 19 us per layer), and it is more exact.
+    """
+    n, hq, hkv = qk.shape[0], d.heads, d.kv_heads
     end = start + n
     keys[0, :, start:end] = qk[:, hq:].transpose(0, 1)
-    values[0, :, start:end] = qkv[:, (hq + hkv) * hd :].view(n, hkv, hd).transpose(0, 1)
+    values[0, :, start:end] = v.transpose(0, 1)
     q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
     if d.row_exact and n > 1:
         out = _attention_by_row(q, keys[:, :, :end], values[:, :, :end], mask, hkv != hq)
@@ -274,7 +295,7 @@ def _attention(
         out = F.scaled_dot_product_attention(
             q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, enable_gqa=hkv != hq
         )
-    return lin(out[0].transpose(0, 1).reshape(n, hq * hd).to(d.dtype), w.wo, w.bo)
+    return out[0].transpose(0, 1).reshape(n, hq * d.head_dim)
 
 
 def _attention_by_row(
@@ -307,18 +328,15 @@ def _mlp(x: torch.Tensor, w: LayerWeights, lin: Linear, d: _Dims) -> torch.Tenso
 def _decoder(
     x: torch.Tensor,
     weights: Weights,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
+    seqs: list[_Seq],
     rope: tuple[torch.Tensor, torch.Tensor],
-    mask: torch.Tensor | None,
     d: _Dims,
-    last_only: bool = False,
+    last_rows: list[int] | None = None,
     hidden: list | None = None,
 ) -> torch.Tensor:
     """All layers, final norm and output head: float32 ``x`` [n, hidden] -> logits [n, vocab].
 
-    ``last_only`` applies the head to the last row only (prefill: the other rows are unused).
+    ``last_rows`` applies the head to those rows only (prefill: the other rows are unused).
     ``hidden``, when given, receives the last layer's output (before the final norm, all rows).
 
     The residual stream stays float32 whatever the matrices' dtype (cheap next to the matmuls,
@@ -326,12 +344,12 @@ def _decoder(
     """
     lin = weights.linear
     for i, w in enumerate(weights.layers):
-        x = x + _attention(x, w, lin, keys[i], values[i], start, rope, mask, d)
+        x = x + _attention(x, w, lin, i, seqs, rope, d)
         x = x + _mlp(x, w, lin, d)
     if hidden is not None:
         hidden.append(x)
-    if last_only:
-        x = x[-1:]
+    if last_rows is not None:
+        x = x[last_rows]
     return lin(_norm(x, weights.norm, d), weights.lm_head, None)
 
 
@@ -467,25 +485,64 @@ class NativeCausalLM:
         start = cache.reserve(n)
         try:
             pos = torch.arange(start, start + n) if positions is None else positions.reshape(n)
-            mask = self._mask(start, n, attn_mask)
-            cos, sin = cos_sin(self._inv_freq, pos, torch.float32)
-            x = F.embedding(input_ids[0], self.weights.embed).float()
-            rope = (cos[:, None], sin[:, None])  # broadcast over heads
+            seq = _Seq(cache.keys, cache.values, start, 0, n, self._mask(start, n, attn_mask))
             sink = self.hidden_sink
-            if sink is None:
-                logits = self._decoder(
-                    x, self.weights, cache.keys, cache.values, start, rope, mask, self._dims, last_only
-                )
-            else:
-                hidden: list[torch.Tensor] = []
-                logits = self._decoder(
-                    x, self.weights, cache.keys, cache.values, start, rope, mask, self._dims, last_only, hidden
-                )
+            hidden: list[torch.Tensor] | None = None if sink is None else []
+            logits = self._run(input_ids[0], pos, [seq], [n - 1] if last_only else None, hidden)
+            if sink is not None:
                 sink(input_ids[0], pos, attn_mask, hidden[0])
         except BaseException:
             cache.trim(start)  # a failed forward leaves the cache as it was
             raise
-        return logits.float().unsqueeze(0)
+        return logits.unsqueeze(0)
+
+    @torch.inference_mode()
+    def forward_rows(
+        self, rows: list[torch.Tensor], caches: list[StaticKVCache], last_only: bool = False
+    ) -> list[torch.Tensor]:
+        """Several sequences in one forward: append ``rows[r]`` ([n_r] ids, n_r >= 1) to ``caches[r]``.
+
+        Each cache keeps its own length, so rows of different lengths over caches of different
+        lengths (prefills, 1-token decodes, k-token verifies) share one pass over the weights.
+        Returns float32 logits [1, n_r, vocab] per row ([1, 1, vocab] with ``last_only``); each
+        equals what :meth:`forward` gives that row alone (bitwise with prepacked matrices in
+        bf16). ``hidden_sink`` is not called: it observes single-sequence forwards.
+        """
+        if len(rows) != len(caches) or not rows:
+            raise ValueError(f"forward_rows needs one cache per row, got {len(rows)} rows and {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("forward_rows needs a distinct cache per row")
+        ids = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rows]
+        if any(r.numel() == 0 for r in ids):
+            raise ValueError("every row needs at least one new token")
+        seqs, positions, lo, done = [], [], 0, []
+        try:
+            for r, cache in zip(ids, caches):
+                n = r.numel()
+                start = cache.reserve(n)
+                done.append((cache, start))
+                seqs.append(_Seq(cache.keys, cache.values, start, lo, lo + n, self._mask(start, n, None)))
+                positions.append(torch.arange(start, start + n))
+                lo += n
+            last = [s.hi - 1 for s in seqs] if last_only else None
+            logits = self._run(torch.cat(ids), torch.cat(positions), seqs, last, None)
+        except BaseException:
+            for cache, start in done:
+                cache.trim(start)
+            raise
+        if last_only:
+            return [logits[i : i + 1].unsqueeze(0) for i in range(len(seqs))]
+        return [logits[s.lo : s.hi].unsqueeze(0) for s in seqs]
+
+    def _run(
+        self, ids: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], last_rows: list[int] | None,
+        hidden: list | None,
+    ) -> torch.Tensor:
+        """Embed ``ids`` [n] at ``positions`` [n] and run the decoder; float32 logits [rows, vocab]."""
+        cos, sin = cos_sin(self._inv_freq, positions, torch.float32)
+        x = F.embedding(ids, self.weights.embed).float()
+        rope = (cos[:, None], sin[:, None])  # broadcast over heads
+        return self._decoder(x, self.weights, seqs, rope, self._dims, last_rows, hidden).float()
 
     @staticmethod
     def _mask(start: int, n: int, attn_mask: torch.Tensor | None) -> torch.Tensor | None:
