@@ -27,6 +27,7 @@ from specdecode.metrics import peak_rss_mb
 Runner = Callable[[list[int], int], list[int]]  # (prompt ids, new tokens) -> generated ids
 K_VALUES = (1, 2, 4, 8, 16, 32)
 CURVE_CONTEXT = 200  # cached tokens under the forward-cost curve
+BATCH_SIZES = (4, 16)  # sequences per forward for the batched-throughput rows
 
 
 @dataclass
@@ -197,6 +198,19 @@ def forward_curve(model: Any, reps: int, context: int = CURVE_CONTEXT) -> dict[s
     return {"k1_ms": median[1] * 1e3, "ratio": {k: median[k] / median[1] for k in K_VALUES}}
 
 
+def batch_throughput(model: Any, prompts: list[Prompt], n: int, sizes: tuple[int, ...] = BATCH_SIZES) -> dict[int, float]:
+    """Aggregate tok/s of all prompts decoded together (continuous batching, at most ``size`` at once)."""
+    from specdecode.engine.batch import generate_batch
+
+    ids = [p.ids for p in prompts]
+    out = {}
+    for size in sizes:
+        t = time.perf_counter()
+        tokens = generate_batch(model, ids, n, max_batch=size)
+        out[size] = sum(map(len, tokens)) / (time.perf_counter() - t)
+    return out
+
+
 def copy_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
     """Best memory copy bandwidth, counting bytes read plus bytes written."""
     src = torch.ones(mib * 1024 * 1024 // 4)
@@ -267,6 +281,13 @@ def render(result: dict[str, Any]) -> None:
     for label, c in result["forward_curve"].items():
         curve.add_row(label, f"{c['k1_ms']:.2f}", *(f"{c['ratio'][k]:.2f}" for k in K_VALUES[1:]))
     console.print(curve)
+    batch = Table(title="Continuous batching (all prompts, plain greedy), aggregate tok/s")
+    batch.add_column("dtype")
+    for size in BATCH_SIZES:
+        batch.add_column(f"batch {size}", justify="right")
+    for label, row in result["batched_tok_s"].items():
+        batch.add_row(label, *(f"{row[size]:.1f}" for size in BATCH_SIZES))
+    console.print(batch)
     floor = result["floor"]
     console.print(
         f"bandwidth {floor['copy_gbs']:.1f} GB/s (copy, read+write): floor "
@@ -298,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "tok_s": {name: t.tok_s for name, t in timings.items()},
         "speedup_vs_transformers": {name: t.tok_s / base for name, t in timings.items()},
-        "forward_curve": {label: forward_curve(m, reps) for label, m in natives.items()},
+        "forward_curve": {label: forward_curve(m, reps) for label, m in _curve_models(natives).items()},
+        "batched_tok_s": {label: batch_throughput(m, prompts, args.max_new_tokens) for label, m in natives.items()},
         "floor": _floor(model_dir),
         "agreement": {
             "native bf16 vs fp32": agreement(timings["native fp32"].tokens, timings["native bf16"].tokens),
@@ -311,6 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     render(result)
     print(json.dumps(result))
     return 0
+
+
+def _curve_models(natives: dict[str, Any]) -> dict[str, Any]:
+    """The loaded models, plus bf16 with one batched attention call per verify (not bitwise equal
+    to 1-token decoding; the exact default runs verify attention row by row)."""
+    from specdecode.models.native import NativeCausalLM
+
+    bf16 = natives["bf16"]
+    batched = NativeCausalLM(bf16.config, bf16.weights, bf16.dtype, row_exact=False)
+    return {**natives, "bf16 batched attention": batched}
 
 
 def _eos_ids(model_dir: Path) -> tuple[int, ...]:
