@@ -75,3 +75,10 @@ def test_incompatible_draft_vocabulary(tmp_path):
     save_tiny_llama(tmp_path / "bytes")  # byte-level tokenizer vs SmolLM2's BPE
     proc = run_cli("generate", "hi", "--method", "draft", "--draft", str(tmp_path / "bytes"))
     assert_clean_error(proc, "draft tokenizer")
+
+
+@pytest.mark.slow
+def test_demo_runs_the_default_method_and_matches_plain():
+    proc = run_cli("demo", "--max-new-tokens", "24", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "identical tokens: True" in proc.stdout and "k=4 output" in proc.stdout

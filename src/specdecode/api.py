@@ -10,16 +10,42 @@ from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, GenerationConfig, GenerationResult, TreeConfig
 from specdecode.engine.policy import make_policy
 from specdecode.errors import ConfigError, InputError
+from specdecode.methods import FALLBACK, METHODS, TRAINED, TREE_ONLY
 from specdecode.models.loading import LoadedModel, check_compatible, load_model
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.proposers.base import Proposer
 
-METHODS = ("none", "draft", "ngram", "suffix", "xtok", "lookahead", "early-exit", "eagle")
-TREE_ONLY = ("lookahead",)  # methods whose drafts come from a side branch of the tree forward
+
+def shipped_drafters(target: LoadedModel) -> dict[str, dict]:
+    """Cards of the drafters shipped for ``target``, by method (empty for targets without any)."""
+    import json
+
+    from specdecode.proposers.eagle import shipped_head_dir
+
+    cards = {}
+    for method in TRAINED:
+        card = shipped_head_dir(target.source, method) / "card.json"
+        if card.exists():
+            cards[method] = json.loads(card.read_text())
+    return cards
+
+
+def best_method(target: LoadedModel) -> str:
+    """What ``method="auto"`` runs: the shipped drafter whose card records the best measured
+    speedup, if it beat both plain decoding and n-gram lookup in that same run; else n-gram."""
+    best, best_speedup = FALLBACK, 1.0
+    for method, card in shipped_drafters(target).items():
+        bench = card.get("benchmark") or {}
+        speedup = float(bench.get("speedup", 0.0))
+        if speedup > max(best_speedup, float(bench.get("ngram_speedup", 1.0))):
+            best, best_speedup = method, speedup
+    return best
 
 
 def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | None = None, **options: Any) -> Proposer | None:
     """The proposer for ``method``; ``draft`` is a loaded model or a path (methods draft, xtok)."""
+    if method == "auto":
+        method = best_method(target)
     if method == "none":
         return None
     if method == "ngram":
@@ -78,7 +104,7 @@ class SpeculativeGenerator:
         self,
         target: LoadedModel | str | os.PathLike | None = None,
         *,
-        method: str = "ngram",
+        method: str = "auto",
         k: int | str = 4,
         draft: LoadedModel | str | os.PathLike | None = None,
         policy: str | None = None,
@@ -89,7 +115,8 @@ class SpeculativeGenerator:
         max_nodes: int = 16,
         **proposer_options: Any,
     ) -> None:
-        """``k="auto"`` (or ``policy="auto"``) lets the cost model pick k in 0..k_max each round;
+        """``method="auto"`` runs the best drafter shipped for the target (:func:`best_method`).
+        ``k="auto"`` (or ``policy="auto"``) lets the cost model pick k in 0..k_max each round;
         ``policy`` is one of fixed, heuristic (k is the upper bound), confidence (the draft
         model stops below ``confidence``) or auto. ``shadow=True`` decodes plainly and records
         the acceptance the method would have had. ``tree=True`` verifies several candidate
@@ -97,6 +124,8 @@ class SpeculativeGenerator:
         methods that need them (lookahead).
         """
         self.target = target if isinstance(target, LoadedModel) else load_model(target)
+        self.method = best_method(self.target) if method == "auto" else method
+        method = self.method
         if k == "auto":
             policy, k = "auto", k_max
         policy = policy or "fixed"

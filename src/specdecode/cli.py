@@ -9,8 +9,7 @@ import sys
 from typing import Any
 
 from specdecode.errors import SpecDecodeError
-
-METHOD_CHOICES = ("none", "draft", "ngram", "suffix", "xtok", "lookahead", "early-exit", "eagle")
+from specdecode.methods import METHODS
 
 
 def _positive_int(text: str) -> int:
@@ -48,7 +47,8 @@ def _generate_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("prompt")
     _add_model_args(p)
-    p.add_argument("--method", choices=list(METHOD_CHOICES), default="ngram")
+    p.add_argument("--method", choices=list(METHODS), default="auto",
+                   help="default auto: the best drafter shipped for the target, else n-gram lookup")
     p.add_argument("--draft", default=None, help="draft model folder or .gguf (methods 'draft', 'xtok'); trained head folder (eagle)")
     p.add_argument("--k", type=_k_value, default=4, help="draft tokens per round, or 'auto'")
     p.add_argument("--k-max", type=_positive_int, default=8, help="upper bound for --k auto")
@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=_positive_int, default=160)
     demo.add_argument("--prompt", default=None, help="your own prompt instead of the built-in one")
     demo.add_argument("--k", type=_positive_int, default=4)
+    demo.add_argument("--method", choices=[m for m in METHODS if m != "none"], default="auto",
+                      help="default auto: the best drafter shipped for the model, else n-gram lookup")
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
     sub.add_parser("bench-decode", help="plain decode speed vs transformers (see --help)", add_help=False)
@@ -123,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     out = gen.generate(args.prompt, **kwargs)
     if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "method": gen.method, "stats": out.stats}))
     else:
         print(out.text)
     return 0

@@ -195,8 +195,8 @@ def test_advise_without_results_is_a_clear_error(tmp_path):
         ('{"prompt": "a", "category": "x"}\n{"prompt": "b", "category": \n', [], "line 2: malformed JSON"),
         ("\n\n", [], "workload file is empty"),
         ('{"category": "x"}\n', [], "line 1: needs a 'prompt' string or a 'turns' list"),
-        ('{"prompt": "a", "category": "x"}\n', ["--methods", "none,medusa"], "unknown method 'medusa'"),
-        ('{"prompt": "a", "category": "x"}\n', ["--methods", "draft"], "needs a draft model"),
+        ('{"prompt": "a", "category": "x"}\n', ["--methods", "none,bogus"], "unknown method 'bogus'"),
+        ('{"prompt": "a", "category": "x"}\n', ["--methods", "xtok"], "needs a draft model"),
         ('{"prompt": "a", "category": "x"}\n', ["--k", "2,zero"], "--k: expected integers"),
     ],
 )

@@ -25,8 +25,9 @@ from typing import Any
 
 from specdecode.bench.workload import WorkItem, default_workload_path, groups_in_order, load_workload, select
 from specdecode.errors import ConfigError, InputError
+from specdecode.methods import METHODS
 
-SPEC_METHODS = ("ngram", "draft", "suffix", "lookahead", "early-exit", "xtok")  # speculative methods
+SPEC_METHODS = tuple(m for m in METHODS if m != "none")  # speculative methods (draft/eagle/... shipped or --draft)
 TREE_SUFFIX = "+tree"  # e.g. "ngram+tree": the same method verifying candidate trees
 ALL_METHODS = ("none",) + SPEC_METHODS
 COST_CONTEXT = 200  # cache length for the forward-cost curve
@@ -115,7 +116,7 @@ def parse_options(argv: list[str]) -> Options:
         methods_text += ",draft"
     methods = _methods(methods_text)
     for m in methods:
-        if m.removesuffix(TREE_SUFFIX) in ("draft", "xtok") and not args.draft:
+        if m.removesuffix(TREE_SUFFIX) == "xtok" and not args.draft:
             raise ConfigError(f"method '{m}' needs a draft model (--draft PATH)")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else preset["max_new_tokens"]
     if max_new < 1:

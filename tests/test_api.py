@@ -1,0 +1,52 @@
+"""``method="auto"``: the best shipped drafter by its card's measured speedup, else n-gram lookup."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import save_tiny_llama
+from specdecode.api import SpeculativeGenerator, best_method, shipped_drafters
+from specdecode.proposers import eagle as eagle_mod
+
+TARGET = SimpleNamespace(source="/models/Tiny-Chat.Q4_1-abc123")  # drafter folder name: tiny-chat
+
+
+def ship(root, method: str, speedup: float, ngram: float = 1.2) -> None:
+    folder = root / "tiny-chat" / method
+    folder.mkdir(parents=True)
+    card = {"method": method, "benchmark": {"speedup": speedup, "ngram_speedup": ngram}}
+    (folder / "card.json").write_text(json.dumps(card))
+
+
+@pytest.fixture
+def drafters(tmp_path, monkeypatch):
+    monkeypatch.setattr(eagle_mod, "DRAFTERS_DIR", tmp_path)
+    return tmp_path
+
+
+def test_no_shipped_drafter_falls_back_to_ngram(drafters):
+    assert shipped_drafters(TARGET) == {} and best_method(TARGET) == "ngram"
+
+
+def test_a_drafter_slower_than_plain_or_ngram_is_not_chosen(drafters):
+    ship(drafters, "eagle", 0.9)
+    ship(drafters, "draft", 1.1, ngram=1.3)
+    assert set(shipped_drafters(TARGET)) == {"eagle", "draft"}
+    assert best_method(TARGET) == "ngram"
+
+
+def test_the_fastest_paying_drafter_wins(drafters):
+    ship(drafters, "eagle", 1.4)
+    ship(drafters, "medusa", 1.6)
+    ship(drafters, "draft", 1.5)
+    assert best_method(TARGET) == "medusa"
+
+
+def test_generator_reports_the_method_auto_chose(tmp_path):
+    save_tiny_llama(tmp_path / "tiny")
+    gen = SpeculativeGenerator(str(tmp_path / "tiny"), k=2)
+    assert gen.method == "ngram"
+    assert gen.generate([5, 6, 5, 6, 5], max_new_tokens=4).token_ids
