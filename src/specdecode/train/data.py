@@ -61,13 +61,54 @@ TOPICS = [
 HELDOUT_TOPICS = ["glaciers", "board games", "bicycle repair", "the Silk Road", "binary search"]
 
 
-def instruction_prompts(n: int, seed: int, topics: list[str] = TOPICS) -> list[str]:
+def instruction_prompts(n: int, seed: int, topics: list[str] = TOPICS, task_share: float = 0.0) -> list[str]:
+    """``n`` distinct user turns (fewer if the sources run out): templates x topics, and with
+    probability ``task_share`` a task prompt (:func:`task_prompt`)."""
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
+    passages = doc_passages(seed) if task_share > 0 else []
+    out: dict[str, None] = {}  # ordered set: a repeated prompt would repeat its greedy answer
+    for _ in range(20 * n):
+        if len(out) == n:
+            break
+        if passages and rng.random() < task_share:
+            out[task_prompt(rng, passages)] = None
+            continue
         t, u = rng.sample(topics, 2)
-        out.append(rng.choice(TEMPLATES).format(t=t, u=u))
-    return out
+        out[rng.choice(TEMPLATES).format(t=t, u=u)] = None
+    return list(out)
+
+
+ITEMS = ["apples", "notebooks", "tickets", "cupcakes", "marbles", "books", "pencils", "stamps"]
+NAMES = ["Maria", "Tom", "Aisha", "Ken", "Lena", "Omar", "Sofia", "Raj"]
+
+
+def task_prompt(rng: random.Random, passages: list[str]) -> str:
+    """A task over a passage (summarise, answer from context, edit) or an arithmetic word problem."""
+    passage = rng.choice(passages)
+    word = rng.choice([w.strip("*.,:()") for w in passage.split() if len(w) > 6] or ["Python"])
+    a, b, c = rng.randint(2, 40), rng.randint(2, 12), rng.randint(3, 9)
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    return rng.choice([
+        f"Summarize the following text in a few sentences:\n\n{passage}",
+        f"Answer the question using only the context.\n\nContext: {passage}\n\nQuestion: What does the context say about {word}?",
+        f"Rewrite this text in simpler words:\n\n{passage}",
+        f"Fix any mistakes in this text and return it in full:\n\n{passage}",
+        f"{name} has {a} {item} and buys {b} packs of {c} more. How many {item} does {name} have now? Think step by step.",
+        f"A train travels {a * 5} km in {b} hours. What is its average speed? Show your reasoning.",
+        f"What is {a} times {b}, plus {c * 7}? Explain each step.",
+    ])
+
+
+def doc_passages(seed: int, n: int = 2000, max_chars: int = 700) -> list[str]:
+    """English prose from the Python documentation shipped with the interpreter (pydoc topics)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        return []
+    paragraphs = [p.strip() for text in topics.values() for p in text.split("\n\n")]
+    prose = [p for p in paragraphs if len(p) > 200 and not p.startswith((" ", "*")) and "::=" not in p]
+    rng = random.Random(seed)
+    return [p[:max_chars] for p in rng.sample(prose, min(n, len(prose)))]
 
 
 def heldout_prompts(n: int = 4) -> list[str]:
@@ -147,6 +188,7 @@ def build_dataset(
     seed: int = 0,
     batch: int = 32,
     heldout_fraction: float = 0.05,
+    task_share: float = 0.0,
     progress: bool = True,
 ) -> dict:
     """Write a shard to ``out_path``; return its summary (sequence and token counts)."""
@@ -163,7 +205,7 @@ def build_dataset(
     limit = min(target.max_length, 2048)
     rng = random.Random(seed)
 
-    prompts = [chat_ids(tok, p) for p in instruction_prompts(n_generated, seed)]
+    prompts = [chat_ids(tok, p) for p in instruction_prompts(n_generated, seed, task_share=task_share)]
     sequences = generate_responses(target, prompts, gen_tokens, batch, eos, progress) if prompts else []
     kinds = ["generated"] * len(sequences)
     for j, text in enumerate(stdlib_texts(n_chunks, seed + 1, chunk_chars)):
