@@ -51,8 +51,13 @@ def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | N
     if method == "ngram":
         return NgramProposer(**options)
     if method == "draft":
-        if draft is None:
-            raise ConfigError("method 'draft' needs a draft model (--draft PATH)")
+        from specdecode.train.draft_model import is_distilled, load_distilled, shipped_draft
+
+        if draft is None or (not isinstance(draft, LoadedModel) and is_distilled(draft)):
+            # The distilled draft shipped for this target, or one from `specdecode train draft-model`.
+            options.pop("dtype", None)  # it runs in the target's dtype, on the target's own layers
+            model = shipped_draft(target.model, target.source) if draft is None else load_distilled(target.model, draft)[0]
+            return DraftModelProposer(model, **options)
         if not isinstance(draft, LoadedModel):
             draft = load_model(draft, dtype=options.pop("dtype", "float32"))
         check_compatible(target, draft)
@@ -74,21 +79,33 @@ def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | N
 
         return EarlyExitProposer(target.model, **options)
     if method == "eagle":  # a trained head; default: the one shipped for this target
-        from specdecode.proposers.eagle import EagleProposer, shipped_head_dir
+        from specdecode.proposers.eagle import EagleProposer
 
-        path = options.pop("path", None) or (draft if isinstance(draft, (str, os.PathLike)) else None)
-        path = str(path or shipped_head_dir(target.source))
-        if not (os.path.isdir(path) and os.path.exists(os.path.join(path, "model.safetensors"))):
-            raise ConfigError(
-                f"no EAGLE head for this target at {path}; train one with: specdecode train eagle --out DIR "
-                "(then --draft DIR)"
-            )
-        return EagleProposer(target.model, path=path, **options)
+        return EagleProposer(target.model, path=_trained_dir("eagle", target, draft, options), **options)
+    if method == "medusa":  # trained heads; default: the ones shipped for this target
+        from specdecode.proposers.medusa import MedusaProposer
+
+        return MedusaProposer(target.model, path=_trained_dir("medusa", target, draft, options), **options)
     if method == "lookahead":
         from specdecode.proposers.lookahead import LookaheadProposer
 
         return LookaheadProposer(**options)
     raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def _trained_dir(method: str, target: LoadedModel, draft: Any, options: dict) -> str:
+    """The folder of ``method``'s trained drafter: ``path`` / ``draft`` when given, else the one
+    shipped for ``target``; ConfigError when it holds no weights."""
+    from specdecode.proposers.eagle import shipped_head_dir
+
+    path = options.pop("path", None) or (draft if isinstance(draft, (str, os.PathLike)) else None)
+    path = str(path or shipped_head_dir(target.source, method))
+    if not (os.path.isdir(path) and os.path.exists(os.path.join(path, "model.safetensors"))):
+        raise ConfigError(
+            f"no trained {method} drafter for this target at {path}; train one with: specdecode train {method} "
+            "--out DIR (then --draft DIR)"
+        )
+    return path
 
 
 class SpeculativeGenerator:

@@ -49,7 +49,7 @@ def _generate_parser(sub: Any) -> None:
     _add_model_args(p)
     p.add_argument("--method", choices=list(METHODS), default="auto",
                    help="default auto: the best drafter shipped for the target, else n-gram lookup")
-    p.add_argument("--draft", default=None, help="draft model folder or .gguf (methods 'draft', 'xtok'); trained head folder (eagle)")
+    p.add_argument("--draft", default=None, help="draft model folder or .gguf (methods 'draft', 'xtok'); trained head folder (eagle, medusa)")
     p.add_argument("--k", type=_k_value, default=4, help="draft tokens per round, or 'auto'")
     p.add_argument("--k-max", type=_positive_int, default=8, help="upper bound for --k auto")
     p.add_argument("--policy", choices=["fixed", "heuristic", "confidence", "auto"], default=None,
@@ -125,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     out = gen.generate(args.prompt, **kwargs)
     if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "method": gen.method, "stats": out.stats}))
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
     else:
         print(out.text)
     return 0

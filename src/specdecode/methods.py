@@ -1,6 +1,6 @@
 """Names of the speculative methods (a light module: the CLI reads it before importing torch)."""
 
-METHODS = ("auto", "none", "draft", "ngram", "suffix", "xtok", "lookahead", "early-exit", "eagle")
+METHODS = ("auto", "none", "draft", "ngram", "suffix", "xtok", "lookahead", "early-exit", "eagle", "medusa")
 TRAINED = ("eagle", "medusa", "draft")  # methods that can ship a trained drafter per target
 FALLBACK = "ngram"  # what "auto" runs without a shipped drafter that pays: best untrained on Spec-Bench
 TREE_ONLY = ("lookahead",)  # methods whose drafts come from a side branch of the tree forward

@@ -18,6 +18,10 @@ class DraftModelProposer:
     ``confidence_threshold`` > 0 stops drafting early once the draft's own top probability
     (temperature 1, unfiltered) falls below it; exactness is unaffected because the decision
     depends only on tokens already drafted.
+
+    A model with an output-vocabulary map ``vocab_ids`` (logit column j scores token
+    ``vocab_ids[j]``, e.g. a distilled draft over the most frequent tokens) drafts within it; the
+    reported q is zero outside it, which is exactly the distribution the tokens were drawn from.
     """
 
     name = "draft"
@@ -35,6 +39,7 @@ class DraftModelProposer:
         if branch < 1:
             raise ConfigError(f"branch must be >= 1, got {branch}")
         self.model = model
+        self.vocab_ids: torch.Tensor | None = getattr(model, "vocab_ids", None)
         self.branch = max([branch] + [r + 1 for path in static_tree or () for r in path])
         self.static_tree = None if static_tree is None else {tuple(p) for p in static_tree}
         self.confidence_threshold = confidence_threshold
@@ -76,10 +81,12 @@ class DraftModelProposer:
         for i in range(k):
             if i > 0 and self._unsure(logits):
                 break
-            q = logits_to_probs(logits, sampling)  # [1, vocab]
-            x = q.argmax(-1) if sampling.greedy else sample(q, generator)
+            q = logits_to_probs(logits, sampling)  # [1, output columns]
+            j = q.argmax(-1) if sampling.greedy else sample(q, generator)
+            x = j if self.vocab_ids is None else self.vocab_ids[j]
             tokens.append(x)
-            probs.append(q)
+            if not sampling.greedy:
+                probs.append(self._reported(q))
             if i + 1 < k:
                 logits = self.model.forward(x.view(1, 1), self.cache)[:, -1]
                 self.cached.append(int(x))
@@ -108,6 +115,14 @@ class DraftModelProposer:
         inner = {n.tokens[:-1] for n in nodes}
         return [list(n.tokens) for n in nodes if n.tokens not in inner]
 
+    def _reported(self, q: torch.Tensor) -> torch.Tensor:
+        """The q reported to the verifier [1, vocab]: the drawn-from distribution, mapped to token ids."""
+        if self.vocab_ids is None:
+            return q
+        full = torch.zeros(1, self.model.vocab_size)
+        full[:, self.vocab_ids] = q
+        return full
+
     def _unsure(self, logits: torch.Tensor) -> bool:
         if self.confidence_threshold <= 0.0:
             return False
@@ -135,8 +150,9 @@ def _expand(proposer: DraftModelProposer, frontier: list, budget: int) -> list[_
     """The frontier's top-b children allowed by the static tree, best cumulative probability first."""
     options = []
     for node, logits in frontier:
-        top = torch.topk(torch.softmax(logits.float(), dim=-1), proposer.branch)
-        for rank, (p, tok) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+        top = torch.topk(torch.softmax(logits.float(), dim=-1), min(proposer.branch, logits.shape[-1]))
+        ids = top.indices if proposer.vocab_ids is None else proposer.vocab_ids[top.indices]
+        for rank, (p, tok) in enumerate(zip(top.values.tolist(), ids.tolist())):
             ranks = node.ranks + (rank,)
             if proposer.static_tree is None or ranks in proposer.static_tree:
                 options.append(_Node(node.tokens + (tok,), ranks, node.prob * p))

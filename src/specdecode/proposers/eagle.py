@@ -1,12 +1,8 @@
 """EAGLE drafting: a one-layer head extrapolating the target's last-layer features.
 
-The head needs the target's feature f_i for every committed position i below the last one. It
-gets them for free from the target's own forwards: the proposer installs itself as the native
-target's ``hidden_sink`` and, at each round, keeps the rows of the last forwards (prefill, chain
-or tree verify) whose tokens the committed context confirms. If a feature is missing anyway (a
-forward it did not see), it recomputes it with its own target forward on a private cache, so the
-drafts never depend on how the decoder is driven. Either way the outputs stay exact: q is
-reported for exactly the distribution each draft token was drawn from.
+The head needs the target's feature f_i for every committed position i below the last one; it
+reads them from the target's own forwards (:class:`~specdecode.proposers.features.TargetFeatures`).
+The outputs stay exact: q is reported for exactly the distribution each draft token was drawn from.
 
 Head entry i holds the pair (f_i, x_{i+1}) and predicts f_{i+1}; drafting continues from its own
 predictions. The head cache keeps only entries built from true features and is trimmed back to
@@ -24,6 +20,7 @@ from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.static_cache import StaticKVCache
+from specdecode.proposers.features import TargetFeatures
 
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -37,7 +34,7 @@ def shipped_head_dir(source: str | Path, kind: str = "eagle") -> Path:
     return DRAFTERS_DIR / drafter_name(source) / kind
 
 
-class EagleProposer:
+class EagleProposer(TargetFeatures):
     name = "eagle"
 
     def __init__(self, target, head=None, path: str | Path | None = None, branch: int = 4) -> None:
@@ -57,90 +54,20 @@ class EagleProposer:
         self.head = head.eval()
         self.target = target
         self.branch = branch
-        cfg = head.cfg
-        self.hidden = cfg.hidden
-        self._records: list[tuple] = []
+        self.hidden = head.cfg.hidden
         self.reset([])
 
-    # -- features from the target's forwards ---------------------------------------------------
-    def _record(self, ids, positions, mask, hidden) -> None:
-        self._records.append((ids, positions, mask, hidden))
-        del self._records[:-4]  # at most one prefill and a few rounds are ever pending
-
     def reset(self, prompt_ids: list[int]) -> None:
-        self.target.hidden_sink = self._record
-        self._records = []
-        self.feats = torch.empty(len(prompt_ids) + 256, self.hidden)
-        self.known = torch.zeros(self.feats.shape[0], dtype=torch.bool)
-        self.nfeat = 0  # feats[:nfeat] are the target's features of the context's positions
+        self._watch(prompt_ids)
         self.cache = StaticKVCache(1, self.head.cfg.kv_heads, self.head.cfg.head_dim, len(prompt_ids) + 256, torch.float32)
         self.hlen = 0  # head entries 0..hlen-1 are built from true features and committed tokens
-        self._own = None  # private target cache for features the sink missed
-        self._own_len = 0
-
-    def _ensure(self, n: int) -> None:
-        if n > self.feats.shape[0]:
-            size = max(n, 2 * self.feats.shape[0])
-            feats, known = torch.empty(size, self.hidden), torch.zeros(size, dtype=torch.bool)
-            feats[: self.feats.shape[0]] = self.feats
-            known[: self.known.shape[0]] = self.known
-            self.feats, self.known = feats, known
-
-    def _absorb(self, context: list[int]) -> None:
-        """Keep the recorded rows whose tokens (and attended new tokens) the context confirms."""
-        n_ctx = len(context)
-        for ids, positions, mask, hidden in self._records:
-            ids, pos = ids.tolist(), positions.tolist()
-            match = [p < n_ctx and t == context[p] for t, p in zip(ids, pos)]
-            n = len(ids)
-            if mask is None:  # causal: a row is valid when it and every row before it match
-                ok, valid = True, []
-                for m in match:
-                    ok = ok and m
-                    valid.append(ok)
-            else:
-                block = mask.reshape(n, -1)[:, -n:]
-                valid = [match[i] and all(match[j] for j in block[i].nonzero().flatten().tolist()) for i in range(n)]
-            rows = [i for i in range(n) if valid[i]]
-            if rows:
-                self._ensure(max(pos[i] for i in rows) + 1)
-                index = torch.tensor([pos[i] for i in rows])
-                self.feats[index] = hidden[rows].float()
-                self.known[index] = True
-        self._records = []
-        while self.nfeat < self.known.shape[0] and self.known[self.nfeat]:
-            self.nfeat += 1
-
-    def _fill(self, context: list[int], needed: int) -> None:
-        """Compute features for positions nfeat..needed-1 with a private target forward."""
-        if self._own is None:
-            self._own = self.target.new_cache(len(context) + 256)
-            self._own_len = 0
-        self._own.trim(min(self._own_len, self.nfeat, self._own.length))
-        start = self._own.length
-        got: list[torch.Tensor] = []
-        saved = self.target.hidden_sink
-        self.target.hidden_sink = lambda _i, _p, _m, h: got.append(h)
-        try:
-            self.target.forward(torch.tensor([context[start:needed]]), self._own, last_only=True)
-        finally:
-            self.target.hidden_sink = saved
-        self._own_len = needed
-        self._ensure(needed)
-        self.feats[start:needed] = got[0].float()
-        self.known[start:needed] = True
-        self.nfeat = max(self.nfeat, needed)
-        while self.nfeat < self.known.shape[0] and self.known[self.nfeat]:
-            self.nfeat += 1
 
     def _sync(self, context: list[int]) -> torch.Tensor | None:
         """Head entries for every committed pair; the predicted feature f^_{L-1} ([1, 1, hidden])."""
         n = len(context)
         if n < 2:
             return None
-        self._absorb(context)
-        if self.nfeat < n - 1:
-            self._fill(context, n - 1)
+        self._features_upto(context, n - 1)
         self.cache.trim(self.hlen)
         lo, hi = self.hlen, n - 1  # new entries lo..hi-1
         out = self._step(self.feats[lo:hi].unsqueeze(0), torch.tensor(context[lo + 1 : hi + 1]), torch.arange(lo, hi))

@@ -23,6 +23,7 @@ from torch import nn
 
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models.rope import cos_sin, inv_freq
+from specdecode.train.layers import LayerParams, LayerShape, decoder_layer, output_rows
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class HeadConfig:
 
 
 class EagleHead(nn.Module):
+    config_class = HeadConfig
+
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -71,12 +74,7 @@ class EagleHead(nn.Module):
             )
         self.embed = w.embed
         self.norm_weight = w.norm.float()
-        if target.config.tie_word_embeddings or w.linear is F.linear:
-            source = w.embed if target.config.tie_word_embeddings else w.lm_head
-            self.out_rows = source[self.vocab_ids].float().contiguous()
-        else:  # an untied, prepacked head: take its rows by multiplying by the identity
-            eye = torch.eye(self.cfg.hidden, dtype=target.dtype)
-            self.out_rows = w.linear(eye, w.lm_head, None).float().t()[self.vocab_ids].contiguous()
+        self.out_rows = output_rows(target, self.vocab_ids)
         self.inv_freq = inv_freq(target.config.rope, self.cfg.head_dim)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -109,31 +107,9 @@ class EagleHead(nn.Module):
         c = self.cfg
         eps, h = c.eps, c.hidden
         x = self.fc(torch.cat([F.rms_norm(feats, (h,), self.feat_norm, eps), F.rms_norm(embeds, (h,), self.emb_norm, eps)], -1))
-        b, t, _ = x.shape
-        qkv = self.qkv(F.rms_norm(x, (h,), self.ln1, eps))
-        hq, hkv, hd = c.heads, c.kv_heads, c.head_dim
-        cos, sin = self.rope(positions)  # positions [T], shared by every row
-        cos, sin = cos.view(1, t, 1, hd), sin.view(1, t, 1, hd)
-        qk = _rotate(qkv[..., : (hq + hkv) * hd].view(b, t, hq + hkv, hd), cos, sin)
-        q = qk[:, :, :hq].transpose(1, 2)
-        k = qk[:, :, hq:].transpose(1, 2)
-        v = qkv[..., (hq + hkv) * hd :].view(b, t, hkv, hd).transpose(1, 2)
-        if keys is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != hq)
-        else:
-            end = start + t
-            keys[:, :, start:end] = k
-            values[:, :, start:end] = v
-            if mask is None and t > 1:
-                rows = torch.arange(start, end)[:, None]
-                mask = torch.arange(end)[None, :] <= rows
-            out = F.scaled_dot_product_attention(
-                q, keys[:, :, :end], values[:, :, :end],
-                attn_mask=None if mask is None else mask.view(1, 1, t, end), enable_gqa=hkv != hq,
-            )
-        x = x + self.o(out.transpose(1, 2).reshape(b, t, hq * hd))
-        gate, up = self.gate_up(F.rms_norm(x, (h,), self.ln2, eps)).split(c.intermediate, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        layer = LayerParams(self.ln1, self.qkv.weight, self.o.weight, self.ln2, self.gate_up.weight, self.down.weight)
+        shape = LayerShape(h, c.heads, c.kv_heads, c.head_dim, c.intermediate, eps)
+        return decoder_layer(x, layer, shape, self.rope(positions), keys, values, start, mask)
 
     def init_from_target(self, target) -> None:
         """Start the layer from the target's last decoder layer (converges much faster)."""
@@ -177,11 +153,6 @@ def head_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, scale:
     return reg + 0.1 * ce, reg.detach(), ce.detach(), agree.detach()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 # -- storage ------------------------------------------------------------------------------------
 
 WEIGHTS_FILE = "model.safetensors"
@@ -202,18 +173,23 @@ def save_head(head: EagleHead, folder: str | Path, card: dict, dtype: torch.dtyp
     return folder
 
 
-def load_head(folder: str | Path) -> tuple[EagleHead, dict]:
-    """The head (float32, eval mode) and its card from a folder written by :func:`save_head`."""
+def load_head(folder: str | Path, kind: type[nn.Module] | None = None) -> tuple[nn.Module, dict]:
+    """The drafter (float32, eval mode) and its card from a folder written by :func:`save_head`.
+
+    ``kind`` is the module class (default :class:`EagleHead`); its ``config_class`` parses the
+    stored config.
+    """
     from safetensors import safe_open
     from safetensors.torch import load_file
 
+    kind = kind or EagleHead
     folder = Path(folder)
     path = folder / WEIGHTS_FILE
     if not path.exists():
-        raise ModelLoadError(f"no EAGLE head at {folder} (missing {WEIGHTS_FILE})")
+        raise ModelLoadError(f"no trained {kind.__name__} at {folder} (missing {WEIGHTS_FILE})")
     with safe_open(str(path), "pt") as f:
-        cfg = HeadConfig(**json.loads(f.metadata()["config"]))
-    head = EagleHead(cfg)
+        cfg = kind.config_class(**json.loads(f.metadata()["config"]))
+    head = kind(cfg)
     tensors = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
     head.load_state_dict(tensors)
     card_path = folder / CARD_FILE

@@ -16,6 +16,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,95 @@ def draft_vocabulary(tokens: torch.Tensor, size: int, vocab: int, always: tuple[
     return torch.argsort(counts, descending=True, stable=True)[:size].sort().values
 
 
+def weighted_tokens(train: Stream, chat: Stream, chat_weight: float) -> torch.Tensor:
+    """Training tokens with the target's chat answers counted 20 more times (for the draft vocabulary)."""
+    return torch.cat([train.tokens] + [chat.tokens] * 20) if len(chat) and chat_weight > 0 else train.tokens
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+
+
+def prepare_data(out: Path, model_dir: Path, opts: dict, seed: int, progress: bool) -> tuple[dict, dict, float]:
+    """Build ``out/data.safetensors`` once (reused when present) and load it: (tensors, summary, build seconds)."""
+    data_path = out / "data.safetensors"
+    t0 = time.perf_counter()
+    if not data_path.exists():
+        data_mod.build_dataset(
+            model_dir, data_path, n_generated=opts["n_generated"], gen_tokens=opts["gen_tokens"],
+            n_chunks=opts["n_chunks"], chunk_chars=opts["chunk_chars"], seed=seed, progress=progress,
+        )
+    data_seconds = time.perf_counter() - t0
+    tensors, summary = data_mod.load_dataset(data_path)
+    return tensors, summary, data_seconds
+
+
+def fit(
+    module: torch.nn.Module,
+    step_loss: Callable[[random.Random], tuple[torch.Tensor, dict[str, float]]],
+    ckpt: Path,
+    *,
+    steps: int,
+    lr: float,
+    seed: int,
+    resume: bool = False,
+    checkpoint_every: int = 100,
+    stop_at: int | None = None,
+    max_minutes: float | None = None,
+    progress: bool = True,
+    desc: str = "train",
+) -> tuple[list[list[float]], float] | None:
+    """Train ``module``'s parameters (AdamW, warmup + cosine LR, gradient clipping at 1) for ``steps``.
+
+    ``step_loss(rng)`` draws a batch with ``rng`` and returns (loss, metrics); the history holds
+    [step, loss, *metrics] per step. Checkpoints go to ``ckpt`` every ``checkpoint_every`` steps
+    and at the end; ``resume`` continues from it on the same schedule. Returns (history, training
+    seconds over all sessions), or None when ``stop_at`` / ``max_minutes`` interrupted the run.
+    """
+    from tqdm import tqdm
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(seed)
+    start_step, history, train_seconds = 0, [], 0.0
+    if resume and ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        module.load_state_dict(state["head"])
+        optim.load_state_dict(state["optim"])
+        start_step, history, train_seconds = state["step"], state["history"], state["train_seconds"]
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+    module.train()
+    bar = tqdm(range(start_step, steps), desc=desc, initial=start_step, total=steps, disable=not progress)
+    t1 = time.perf_counter()
+    for step in bar:
+        for g in optim.param_groups:
+            g["lr"] = _lr(step, steps, lr, warmup=min(50, max(1, steps // 10)))
+        loss, metrics = step_loss(rng)
+        optim.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        history.append([step, float(loss.detach()), *metrics.values()])
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **{k: f"{v:.3f}" for k, v in metrics.items()})
+        interrupted = (stop_at is not None and step + 1 >= stop_at) or (
+            max_minutes is not None and time.perf_counter() - t1 > 60 * max_minutes
+        )
+        if (step + 1) % checkpoint_every == 0 or step + 1 == steps or interrupted:
+            # "head" names the trained module's state (kept so earlier checkpoints still resume).
+            torch.save({"head": module.state_dict(), "optim": optim.state_dict(), "step": step + 1,
+                        "history": history, "train_seconds": train_seconds + time.perf_counter() - t1,
+                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}, ckpt)
+        if interrupted and step + 1 < steps:
+            bar.close()
+            print(f"stopped at step {step + 1}/{steps}; continue with --resume", flush=True)
+            return None
+    module.eval()
+    return history, train_seconds + time.perf_counter() - t1
+
+
 def train_eagle(
     out: str | Path,
     target: str | None = None,
@@ -96,10 +186,9 @@ def train_eagle(
     ``stop_at`` (a step) or ``max_minutes`` (of training) interrupt the run cleanly: a checkpoint
     is written and None returned; ``resume=True`` continues it later on the same schedule.
     """
-    from tqdm import tqdm
-
     from specdecode.models.loading import eos_token_ids, load_tokenizer, resolve_model_dir
     from specdecode.models.native import NativeCausalLM
+    from specdecode.proposers.eagle import EagleProposer
 
     opts = dict(QUICK if quick else FULL)
     opts.update({k: v for k, v in overrides.items() if v is not None})
@@ -107,20 +196,9 @@ def train_eagle(
         opts["steps"] = steps
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(seed)
+    seed_everything(seed)
     model_dir = resolve_model_dir(target)
-
-    data_path = out / "data.safetensors"
-    t0 = time.perf_counter()
-    if not data_path.exists():
-        data_mod.build_dataset(
-            model_dir, data_path, n_generated=opts["n_generated"], gen_tokens=opts["gen_tokens"],
-            n_chunks=opts["n_chunks"], chunk_chars=opts["chunk_chars"], seed=seed, progress=progress,
-        )
-    data_seconds = time.perf_counter() - t0
-    tensors, summary = data_mod.load_dataset(data_path)
+    tensors, summary, data_seconds = prepare_data(out, model_dir, opts, seed, progress)
     train, held = Stream(tensors, heldout=False), Stream(tensors, heldout=True)
     # The target's own chat answers (the first sequences of the shard) are what decoding sees:
     # sample them with probability ``chat_weight`` and let them dominate the draft vocabulary.
@@ -132,7 +210,7 @@ def train_eagle(
     cfg = HeadConfig.for_target(target_model, draft_vocab)
     head = EagleHead(cfg)
     with torch.no_grad():
-        counts_from = torch.cat([train.tokens] + [chat.tokens] * 20) if len(chat) and chat_weight > 0 else train.tokens
+        counts_from = weighted_tokens(train, chat, chat_weight)
         head.vocab_ids.copy_(draft_vocabulary(counts_from, cfg.draft_vocab, cfg.vocab_size, eos))
     head.attach(target_model)
     head.init_from_target(target_model)
@@ -143,51 +221,27 @@ def train_eagle(
         state = {k: v for k, v in earlier.state_dict().items() if k != "vocab_ids"}
         head.load_state_dict(state, strict=False)
     scale = float(train.features[: 200_000].float().pow(2).mean().sqrt())
-    params = [p for p in head.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    rng = random.Random(seed)
-    start_step, history, train_seconds = 0, [], 0.0
-    ckpt = out / "checkpoint.pt"
-    if resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        head.load_state_dict(state["head"])
-        optim.load_state_dict(state["optim"])
-        start_step, history, train_seconds = state["step"], state["history"], state["train_seconds"]
-        rng.setstate(state["rng"])
-        torch.set_rng_state(state["torch_rng"])
     total = opts["steps"]
-    head.train()
-    bar = tqdm(range(start_step, total), desc="train eagle", initial=start_step, total=total, disable=not progress)
-    t1 = time.perf_counter()
-    for step in bar:
-        for g in optim.param_groups:
-            g["lr"] = _lr(step, total, lr, warmup=min(50, max(1, total // 10)))
-        source = chat if len(chat) > opts["seq_len"] + 1 and chat_weight > 0 and rng.random() < chat_weight else train
+
+    def step_loss(rng: random.Random) -> tuple[torch.Tensor, dict[str, float]]:
+        source = mixed_source(rng, train, chat, chat_weight, opts["seq_len"])
         feats, tokens, valid = source.batch(rng, opts["batch"], opts["seq_len"])
         loss, reg, ce, agree = head_loss(head, feats, tokens, scale, noise=0.05, valid=valid)
-        optim.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optim.step()
-        history.append([step, float(loss.detach()), float(reg), float(ce), float(agree)])
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", ce=f"{float(ce):.2f}", top1=f"{float(agree):.2f}")
-        interrupted = (stop_at is not None and step + 1 >= stop_at) or (
-            max_minutes is not None and time.perf_counter() - t1 > 60 * max_minutes
-        )
-        if (step + 1) % checkpoint_every == 0 or step + 1 == total or interrupted:
-            elapsed = train_seconds + time.perf_counter() - t1
-            torch.save({"head": head.state_dict(), "optim": optim.state_dict(), "step": step + 1,
-                        "history": history, "train_seconds": elapsed, "rng": rng.getstate(),
-                        "torch_rng": torch.get_rng_state()}, ckpt)
-        if interrupted and step + 1 < total:
-            bar.close()
-            print(f"stopped at step {step + 1}/{total}; continue with --resume", flush=True)
-            return None
-    train_seconds += time.perf_counter() - t1
-    head.eval()
+        return loss, {"reg": float(reg), "ce": float(ce), "top1": float(agree)}
 
-    heldout = {"top1_agreement": heldout_agreement(head, held, scale, opts["seq_len"])}
-    heldout.update(heldout_acceptance(model_dir, head, opts["eval_prompts"], opts["eval_tokens"]))
+    done = fit(head, step_loss, out / "checkpoint.pt", steps=total, lr=lr, seed=seed, resume=resume,
+               checkpoint_every=checkpoint_every, stop_at=stop_at, max_minutes=max_minutes, progress=progress,
+               desc="train eagle")
+    if done is None:
+        return None
+    history, train_seconds = done
+
+    def agreement(feats, tokens, valid):
+        return float(head_loss(head, feats, tokens, scale, valid=valid)[3]), int(valid.sum())
+
+    heldout = {"top1_agreement": heldout_agreement(held, opts["seq_len"], agreement)}
+    heldout.update(heldout_acceptance(model_dir, lambda loaded: EagleProposer(loaded.model, head=head),
+                                      opts["eval_prompts"], opts["eval_tokens"]))
     card = {
         "method": "eagle",
         "target": Path(str(model_dir)).name,
@@ -217,30 +271,39 @@ def train_eagle(
     return json.loads((out / "card.json").read_text())
 
 
+def mixed_source(rng: random.Random, train: Stream, chat: Stream, chat_weight: float, seq_len: int) -> Stream:
+    """The chat stream with probability ``chat_weight`` (when it holds a window), else the whole training stream."""
+    return chat if len(chat) > seq_len + 1 and chat_weight > 0 and rng.random() < chat_weight else train
+
+
 @torch.no_grad()
-def heldout_agreement(head: EagleHead, held: Stream, scale: float, seq_len: int) -> float | None:
-    """Top-1 agreement with the target's next token (draft vocabulary) over the held-out stream."""
+def heldout_agreement(held: Stream, seq_len: int, agreement: Callable[..., tuple[float, int]]) -> float | None:
+    """Top-1 agreement with the target's next token over the held-out stream, in windows.
+
+    ``agreement(feats, tokens, valid)`` (one window, batch of 1) returns (agreement, positions scored).
+    """
     if len(held) < 3:
         return None
     agree, n = 0.0, 0
     for start in range(0, len(held) - 2, seq_len):
         length = min(seq_len, len(held) - 1 - start)
         feats, tokens, valid = held.window(start, length)
-        _, _, _, a = head_loss(head, feats[None], tokens[None], scale, valid=valid[None])
-        w = int(valid.sum())
-        agree += float(a) * w
+        a, w = agreement(feats[None], tokens[None], valid[None])
+        agree += a * w
         n += w
     return round(agree / max(n, 1), 4)
 
 
-def heldout_acceptance(model_dir, head: EagleHead, prompts: int, max_new: int, k: int = 4) -> dict:
-    """Mean accepted length of real greedy decoding (chain, k) on prompts with held-out topics."""
+def heldout_acceptance(model_dir, make_proposer: Callable, prompts: int, max_new: int, k: int = 4) -> dict:
+    """Mean accepted length of real greedy decoding (chain, k) on prompts with held-out topics.
+
+    ``make_proposer(loaded)`` builds the proposer over the freshly loaded native target.
+    """
     from specdecode.engine import Decoder, GenerationConfig
     from specdecode.models.loading import load_model
-    from specdecode.proposers.eagle import EagleProposer
 
     loaded = load_model(model_dir, backend="native")
-    proposer = EagleProposer(loaded.model, head=head)
+    proposer = make_proposer(loaded)
     decoder = Decoder(loaded.model, proposer, k=k, eos_token_ids=loaded.eos_token_ids)
     rounds = tokens = 0
     for text in data_mod.heldout_prompts(prompts):
@@ -248,17 +311,14 @@ def heldout_acceptance(model_dir, head: EagleHead, prompts: int, max_new: int, k
         stats = decoder.generate(ids, GenerationConfig(max_new_tokens=max_new)).stats
         rounds += stats["target_calls"]
         tokens += round(stats["mean_accepted_length"] * stats["target_calls"])
-    loaded.model.hidden_sink = None
+    loaded.model.hidden_sink = None  # a feature-reading proposer may have installed one
     return {"mean_accepted_length": round(tokens / max(rounds, 1), 3), "k": k, "prompts": prompts,
             "max_new_tokens": max_new, "decoding": "greedy, chain"}
 
 
-def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("eagle",):
-        print("usage: specdecode train eagle --out DIR [--target DIR] [--steps N] [--resume] [--seed S] [--quick]")
-        return 2
-    p = argparse.ArgumentParser(prog="specdecode train eagle", description="Train an EAGLE draft head by self-distillation.")
-    p.add_argument("--out", required=True, help="output folder (data, checkpoints, final head + card.json)")
+def common_arguments(p: argparse.ArgumentParser, lr: float) -> None:
+    """The options every ``specdecode train`` method takes (data, schedule, checkpoints)."""
+    p.add_argument("--out", required=True, help="output folder (data, checkpoints, final drafter + card.json)")
     p.add_argument("--target", default=None, help="native target folder or .gguf (default: embedded SmolLM2-135M)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
@@ -266,24 +326,47 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="tiny data and few steps (smoke test)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--draft-vocab", type=int, default=8192)
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--generated", type=int, default=None, help="templated prompts answered by the target")
     p.add_argument("--chunks", type=int, default=None, help="stdlib source chunks")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--chat-weight", type=float, default=0.7, help="share of batches from the target's chat answers")
-    p.add_argument("--init-from", default=None, help="warm start from an earlier head folder")
     p.add_argument("--max-minutes", type=float, default=None, help="stop (checkpointed) after this much training")
-    args = p.parse_args(argv[1:])
+
+
+def common_options(args: argparse.Namespace) -> dict:
+    """Keyword arguments of a ``train_*`` function from :func:`common_arguments`' options."""
     torch.set_num_threads(args.threads)
-    card = train_eagle(
-        args.out, args.target, steps=args.steps, resume=args.resume, seed=args.seed, quick=args.quick,
-        draft_vocab=args.draft_vocab, lr=args.lr, checkpoint_every=args.checkpoint_every,
-        batch=args.batch, seq_len=args.seq_len, n_generated=args.generated, n_chunks=args.chunks,
-        max_minutes=args.max_minutes, chat_weight=args.chat_weight, init_from=args.init_from,
+    return dict(
+        steps=args.steps, resume=args.resume, seed=args.seed, quick=args.quick, draft_vocab=args.draft_vocab,
+        lr=args.lr, checkpoint_every=args.checkpoint_every, batch=args.batch, seq_len=args.seq_len,
+        n_generated=args.generated, n_chunks=args.chunks, max_minutes=args.max_minutes, chat_weight=args.chat_weight,
     )
-    if card is None:
-        return 0
-    print(json.dumps({"heldout": card["heldout"], "steps": card["steps"], "out": str(args.out)}, indent=2))
+
+
+def report(card: dict | None, out: str) -> int:
+    """Print a finished run's held-out numbers (nothing for an interrupted one); exit status 0."""
+    if card is not None:
+        print(json.dumps({"heldout": card["heldout"], "steps": card["steps"], "out": out}, indent=2))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["draft-model"]:
+        from specdecode.train.draft_trainer import main as draft_model_main
+
+        return draft_model_main(argv[1:])
+    if argv[:1] == ["medusa"]:
+        from specdecode.train.medusa_trainer import main as medusa_main
+
+        return medusa_main(argv[1:])
+    if not argv or argv[0] not in ("eagle",):
+        print("usage: specdecode train eagle|draft-model|medusa --out DIR [--target DIR] [--steps N] [--resume] [--seed S] [--quick]")
+        return 2
+    p = argparse.ArgumentParser(prog="specdecode train eagle", description="Train an EAGLE draft head by self-distillation.")
+    common_arguments(p, lr=5e-4)
+    p.add_argument("--init-from", default=None, help="warm start from an earlier head folder")
+    args = p.parse_args(argv[1:])
+    return report(train_eagle(args.out, args.target, init_from=args.init_from, **common_options(args)), args.out)

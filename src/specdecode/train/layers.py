@@ -1,0 +1,107 @@
+"""The trainable Llama decoder layer the drafters share (EAGLE head, distilled draft model).
+
+Batched and differentiable (the native path is inference-only, one sequence at a time); with
+``keys``/``values`` it also drafts from a cache, one sequence at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+@dataclass
+class LayerParams:
+    """One layer's tensors in the native layout: q/k/v and gate/up fused, [out, in]; optional biases."""
+
+    ln1: torch.Tensor
+    wqkv: torch.Tensor
+    wo: torch.Tensor
+    ln2: torch.Tensor
+    wgu: torch.Tensor
+    wd: torch.Tensor
+    bqkv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
+    bgu: torch.Tensor | None = None
+    bd: torch.Tensor | None = None
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in transformers' rotate-half convention."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def decoder_layer(
+    x: torch.Tensor,
+    w: LayerParams,
+    s: LayerShape,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    keys: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    start: int = 0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One pre-norm Llama layer over ``x`` [B, T, hidden]; ``rope`` = (cos, sin) [T, head_dim].
+
+    Without ``keys``: causal attention within each row (training). With ``keys``/``values``
+    [1, kv_heads, capacity, head_dim] (B = 1): the new entries are written at ``start`` and
+    ``mask`` (bool [T, start + T], True = may attend) defaults to causal.
+    """
+    b, t, _ = x.shape
+    hq, hkv, hd = s.heads, s.kv_heads, s.head_dim
+    qkv = F.linear(F.rms_norm(x, (s.hidden,), w.ln1, s.eps), w.wqkv, w.bqkv)
+    cos, sin = rope[0].view(1, t, 1, hd), rope[1].view(1, t, 1, hd)
+    qk = rotate(qkv[..., : (hq + hkv) * hd].view(b, t, hq + hkv, hd), cos, sin)
+    q = qk[:, :, :hq].transpose(1, 2)
+    k = qk[:, :, hq:].transpose(1, 2)
+    v = qkv[..., (hq + hkv) * hd :].view(b, t, hkv, hd).transpose(1, 2)
+    if keys is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != hq)
+    else:
+        end = start + t
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        if mask is None and t > 1:
+            mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        out = F.scaled_dot_product_attention(
+            q, keys[:, :, :end], values[:, :, :end],
+            attn_mask=None if mask is None else mask.view(1, 1, t, end), enable_gqa=hkv != hq,
+        )
+    x = x + F.linear(out.transpose(1, 2).reshape(b, t, hq * hd), w.wo, w.bo)
+    gate, up = F.linear(F.rms_norm(x, (s.hidden,), w.ln2, s.eps), w.wgu, w.bgu).split(s.intermediate, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w.wd, w.bd)
+
+
+# -- frozen tensors read from a native target -----------------------------------------------------
+
+
+def target_matrix(target, matrix: torch.Tensor, n_in: int) -> torch.Tensor:
+    """A target matrix as plain float32 [out, in], also when prepacked for oneDNN.
+
+    Packed matrices are opaque; multiplying the identity [n_in, n_in] through them reads them back.
+    """
+    w = target.weights
+    if w.linear is F.linear:
+        return matrix.float()
+    return w.linear(torch.eye(n_in, dtype=target.dtype), matrix, None).float().t().contiguous()
+
+
+def output_rows(target, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM-head rows for ``vocab_ids`` (float32 [n, hidden]), tied or not, packed or not."""
+    w = target.weights
+    if target.config.tie_word_embeddings:
+        return w.embed[vocab_ids].float().contiguous()
+    return target_matrix(target, w.lm_head, w.embed.shape[1])[vocab_ids].contiguous()
