@@ -24,8 +24,8 @@ import torch
 from specdecode.train.draft_model import DistilledDraft, DraftConfig, distill_loss, same_sequence
 from specdecode.train.eagle import save_head
 from specdecode.train.trainer import (
-    FULL, QUICK, Stream, common_arguments, common_options, draft_vocabulary, fit, heldout_acceptance,
-    heldout_agreement, mixed_source, prepare_data, report, seed_everything, weighted_tokens,
+    common_arguments, common_card, common_options, draft_vocabulary, fit, heldout_acceptance, heldout_agreement,
+    mixed_source, report, setup_run, weighted_tokens,
 )
 
 DEFAULT_LAYERS = (0, 1, -1)  # the first two layers and the last: input features and output mapping
@@ -55,28 +55,13 @@ def train_draft_model(
     ``stop_at`` (a step) or ``max_minutes`` (of training) interrupt the run cleanly: a checkpoint
     is written and None returned; ``resume=True`` continues it later on the same schedule.
     """
-    from specdecode.models.loading import eos_token_ids, load_tokenizer, resolve_model_dir
-    from specdecode.models.native import NativeCausalLM
-
-    opts = dict(QUICK if quick else FULL)
-    opts.update({k: v for k, v in overrides.items() if v is not None})
-    if steps is not None:
-        opts["steps"] = steps
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    seed_everything(seed)
-    model_dir = resolve_model_dir(target)
-    tensors, summary, data_seconds = prepare_data(out, model_dir, opts, seed, progress)
-    train, held = Stream(tensors, heldout=False), Stream(tensors, heldout=True)
-    chat = Stream(tensors, heldout=False, only=set(range(summary.get("generated_sequences", 0))))
-
-    target_model = NativeCausalLM.from_pretrained(model_dir, pack=False)
-    eos = eos_token_ids(load_tokenizer(model_dir), target_model.config)
+    run = setup_run(out, target, steps, seed, quick, progress, overrides)
+    opts, train, held, chat, target_model = run.opts, run.train, run.held, run.chat, run.target
     cfg = DraftConfig.for_target(target_model, tuple(layers), rank, draft_vocab)
     draft = DistilledDraft(cfg)
     with torch.no_grad():
         counts_from = weighted_tokens(train, chat, chat_weight)
-        draft.vocab_ids.copy_(draft_vocabulary(counts_from, cfg.draft_vocab, cfg.vocab_size, eos))
+        draft.vocab_ids.copy_(draft_vocabulary(counts_from, cfg.draft_vocab, cfg.vocab_size, run.eos))
     draft.attach(target_model)
     draft.init_from_target(target_model)
     total = opts["steps"]
@@ -87,7 +72,7 @@ def train_draft_model(
         loss, agree = distill_loss(draft, feats, tokens, valid)
         return loss, {"top1": float(agree)}
 
-    done = fit(draft, step_loss, out / "checkpoint.pt", steps=total, lr=lr, seed=seed, resume=resume,
+    done = fit(draft, step_loss, run.out / "checkpoint.pt", steps=total, lr=lr, seed=seed, resume=resume,
                checkpoint_every=checkpoint_every, stop_at=stop_at, max_minutes=max_minutes, progress=progress,
                desc="train draft-model")
     if done is None:
@@ -100,13 +85,20 @@ def train_draft_model(
             return float(distill_loss(draft, feats, tokens, valid)[1]), int(same_sequence(valid).sum())
 
     heldout = {"top1_agreement": heldout_agreement(held, opts["seq_len"], agreement)}
-    heldout.update(heldout_acceptance(model_dir, lambda loaded: _proposer(draft, loaded.model),
+    heldout.update(heldout_acceptance(run.model_dir, lambda loaded: _proposer(draft, loaded.model),
                                       opts["eval_prompts"], opts["eval_tokens"]))
-    card = _card(cfg, model_dir, summary, opts, history, heldout, seed=seed, lr=lr, chat_weight=chat_weight,
-                 data_seconds=data_seconds, train_seconds=train_seconds, quick=quick, out=out)
-    card["cost"] = measure_cost(model_dir, draft, repeats=8 if quick else 64)
-    save_head(draft, out, card)
-    return json.loads((out / "card.json").read_text())
+    layers = " ".join(str(i) for i in cfg.layers)
+    card = common_card(
+        run, "draft-model", lr=lr, seed=seed, chat_weight=chat_weight, draft_vocab=cfg.draft_vocab, history=history,
+        train_seconds=train_seconds, heldout=heldout, quick=quick, extra_args=f" --layers {layers} --rank {cfg.rank}",
+        how=f"layer pruning + distillation: the target's layers {list(cfg.layers)} (of {cfg.target_layers}) with its "
+            f"final norm, each matrix plus a trained rank-{cfg.rank} delta, norms trained; loss KL(target || draft) "
+            "against the target's next-token distribution over the draft vocabulary (its final norm and LM-head "
+            "rows applied to the stored features); input embedding and LM-head rows shared with the target",
+    )
+    card.update(layers=list(cfg.layers), rank=cfg.rank, cost=measure_cost(run.model_dir, draft, repeats=8 if quick else 64))
+    save_head(draft, run.out, card)
+    return json.loads((run.out / "card.json").read_text())
 
 
 def _round_to_stored(draft: DistilledDraft) -> None:
@@ -121,40 +113,6 @@ def _proposer(draft: DistilledDraft, target):
 
     draft.attach(target)
     return DraftModelProposer(draft.to_native(target))
-
-
-def _card(cfg: DraftConfig, model_dir: Path, summary: dict, opts: dict, history: list, heldout: dict, *, seed: int,
-          lr: float, chat_weight: float, data_seconds: float, train_seconds: float, quick: bool, out: Path) -> dict:
-    from specdecode.proposers.eagle import drafter_name
-
-    layers = " ".join(str(i) for i in cfg.layers)
-    return {
-        "method": "draft-model",
-        "target": Path(str(model_dir)).name,
-        "target_drafter_name": drafter_name(model_dir),
-        "how": f"layer pruning + distillation: the target's layers {list(cfg.layers)} (of {cfg.target_layers}) with its "
-               f"final norm, each matrix plus a trained rank-{cfg.rank} delta, norms trained; loss KL(target || draft) "
-               "against the target's next-token distribution over the draft vocabulary (its final norm and LM-head "
-               "rows applied to the stored features); input embedding and LM-head rows shared with the target",
-        "data": dict(summary, sources="templated instructions answered greedily by the target; Python stdlib "
-                                      "source chunks (plain and as chat replies), teacher-forced"),
-        "steps": opts["steps"],
-        "batch": opts["batch"],
-        "seq_len": opts["seq_len"],
-        "lr": lr,
-        "seed": seed,
-        "chat_weight": chat_weight,
-        "layers": list(cfg.layers),
-        "rank": cfg.rank,
-        "draft_vocab": cfg.draft_vocab,
-        "data_seconds": round(data_seconds, 1),
-        "train_seconds": round(train_seconds, 1),
-        "final_train_loss": history[-1][1] if history else None,
-        "heldout": heldout,
-        "reproduce": f"specdecode train draft-model --out {out.name} --steps {opts['steps']} --seed {seed} "
-                     f"--batch {opts['batch']} --seq-len {opts['seq_len']} --lr {lr} --draft-vocab {cfg.draft_vocab} "
-                     f"--chat-weight {chat_weight} --layers {layers} --rank {cfg.rank}" + (" --quick" if quick else ""),
-    }
 
 
 def measure_cost(model_dir: Path, draft: DistilledDraft, repeats: int = 64, context: int = 256) -> dict:

@@ -21,8 +21,8 @@ import torch
 from specdecode.train.eagle import save_head
 from specdecode.train.medusa import LOSS_DECAY, MedusaConfig, MedusaHeads, medusa_loss
 from specdecode.train.trainer import (
-    FULL, QUICK, Stream, common_arguments, common_options, draft_vocabulary, fit, heldout_acceptance,
-    heldout_agreement, mixed_source, prepare_data, report, seed_everything, weighted_tokens,
+    common_arguments, common_card, common_options, draft_vocabulary, fit, heldout_acceptance, heldout_agreement,
+    mixed_source, report, setup_run, weighted_tokens,
 )
 
 HOW = ("Medusa-1 style heads: residual blocks h + SiLU(W h + b) on the target's final-normed last hidden state, "
@@ -54,29 +54,14 @@ def train_medusa(
     :func:`~specdecode.train.trainer.train_eagle`'s: ``stop_at`` / ``max_minutes`` write a
     checkpoint and return None, ``resume=True`` continues on the same schedule.
     """
-    from specdecode.models.loading import eos_token_ids, load_tokenizer, resolve_model_dir
-    from specdecode.models.native import NativeCausalLM
-    from specdecode.proposers.eagle import drafter_name
     from specdecode.proposers.medusa import MedusaProposer
 
-    opts = dict(QUICK if quick else FULL)
-    opts.update({k: v for k, v in overrides.items() if v is not None})
-    if steps is not None:
-        opts["steps"] = steps
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    seed_everything(seed)
-    model_dir = resolve_model_dir(target)
-    tensors, summary, data_seconds = prepare_data(out, model_dir, opts, seed, progress)
-    train, held = Stream(tensors, heldout=False), Stream(tensors, heldout=True)
-    chat = Stream(tensors, heldout=False, only=set(range(summary.get("generated_sequences", 0))))
-
-    target_model = NativeCausalLM.from_pretrained(model_dir, pack=False)
-    eos = eos_token_ids(load_tokenizer(model_dir), target_model.config)
+    run = setup_run(out, target, steps, seed, quick, progress, overrides)
+    opts, train, held, chat, target_model = run.opts, run.train, run.held, run.chat, run.target
     cfg = MedusaConfig.for_target(target_model, num_heads, draft_vocab)
     heads = MedusaHeads(cfg)
     with torch.no_grad():
-        heads.vocab_ids.copy_(draft_vocabulary(weighted_tokens(train, chat, chat_weight), cfg.draft_vocab, cfg.vocab_size, eos))
+        heads.vocab_ids.copy_(draft_vocabulary(weighted_tokens(train, chat, chat_weight), cfg.draft_vocab, cfg.vocab_size, run.eos))
     heads.attach(target_model)
 
     def step_loss(rng):
@@ -85,7 +70,7 @@ def train_medusa(
         loss, ce, agree, _ = medusa_loss(heads, feats, valid)
         return loss, {"ce": float(ce.mean()), **{f"top1_{i}": float(a) for i, a in enumerate(agree)}}
 
-    done = fit(heads, step_loss, out / "checkpoint.pt", steps=opts["steps"], lr=lr, seed=seed, resume=resume,
+    done = fit(heads, step_loss, run.out / "checkpoint.pt", steps=opts["steps"], lr=lr, seed=seed, resume=resume,
                checkpoint_every=checkpoint_every, stop_at=stop_at, max_minutes=max_minutes, progress=progress,
                desc="train medusa")
     if done is None:
@@ -102,33 +87,14 @@ def train_medusa(
 
     heldout = {"top1_agreement_per_head": [heldout_agreement(held, opts["seq_len"], agreement(i))
                                            for i in range(num_heads)]}
-    heldout.update(heldout_acceptance(model_dir, lambda loaded: MedusaProposer(loaded.model, heads=heads),
+    heldout.update(heldout_acceptance(run.model_dir, lambda loaded: MedusaProposer(loaded.model, heads=heads),
                                       opts["eval_prompts"], opts["eval_tokens"]))
-    card = {
-        "method": "medusa",
-        "target": model_dir.name,
-        "target_drafter_name": drafter_name(model_dir),
-        "how": HOW,
-        "data": dict(summary, sources="templated instructions answered greedily by the target; Python stdlib "
-                                      "source chunks (plain and as chat replies), teacher-forced"),
-        "steps": opts["steps"],
-        "batch": opts["batch"],
-        "seq_len": opts["seq_len"],
-        "lr": lr,
-        "seed": seed,
-        "chat_weight": chat_weight,
-        "num_heads": num_heads,
-        "draft_vocab": cfg.draft_vocab,
-        "data_seconds": round(data_seconds, 1),
-        "train_seconds": round(train_seconds, 1),
-        "final_train_loss": history[-1][1] if history else None,
-        "heldout": heldout,
-        "reproduce": f"specdecode train medusa --out {out.name} --steps {opts['steps']} --seed {seed} --heads {num_heads} "
-                     f"--batch {opts['batch']} --seq-len {opts['seq_len']} --lr {lr} --draft-vocab {draft_vocab} "
-                     f"--chat-weight {chat_weight}" + (" --quick" if quick else ""),
-    }
-    save_head(heads, out, card)
-    return json.loads((out / "card.json").read_text())
+    card = common_card(run, "medusa", how=HOW, lr=lr, seed=seed, chat_weight=chat_weight, draft_vocab=cfg.draft_vocab,
+                       history=history, train_seconds=train_seconds, heldout=heldout, quick=quick,
+                       extra_args=f" --heads {num_heads}")
+    card["num_heads"] = num_heads
+    save_head(heads, run.out, card)
+    return json.loads((run.out / "card.json").read_text())
 
 
 def main(argv: list[str]) -> int:

@@ -17,7 +17,9 @@ import math
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,10 +27,11 @@ import torch
 from specdecode.train import data as data_mod
 from specdecode.train.eagle import EagleHead, HeadConfig, head_loss, save_head
 
-QUICK = dict(n_generated=4, gen_tokens=24, n_chunks=6, chunk_chars=600, steps=20, batch=4, seq_len=32,
+QUICK = dict(n_generated=4, gen_tokens=24, n_chunks=6, chunk_chars=600, task_share=0.5, steps=20, batch=4, seq_len=32,
              eval_prompts=2, eval_tokens=16)
-FULL = dict(n_generated=256, gen_tokens=160, n_chunks=400, chunk_chars=1600, steps=1500, batch=8, seq_len=256,
-            eval_prompts=4, eval_tokens=64)
+# The shipped drafters' shard: 2,400 target answers (half to task prompts) + 200 stdlib chunks, 540k tokens.
+FULL = dict(n_generated=2400, gen_tokens=160, n_chunks=200, chunk_chars=1600, task_share=0.5, steps=1500, batch=8,
+            seq_len=256, eval_prompts=4, eval_tokens=64)
 
 
 class Stream:
@@ -92,11 +95,50 @@ def prepare_data(out: Path, model_dir: Path, opts: dict, seed: int, progress: bo
     if not data_path.exists():
         data_mod.build_dataset(
             model_dir, data_path, n_generated=opts["n_generated"], gen_tokens=opts["gen_tokens"],
-            n_chunks=opts["n_chunks"], chunk_chars=opts["chunk_chars"], seed=seed, progress=progress,
+            n_chunks=opts["n_chunks"], chunk_chars=opts["chunk_chars"], task_share=opts["task_share"],
+            seed=seed if opts.get("data_seed") is None else opts["data_seed"], progress=progress,
         )
     data_seconds = time.perf_counter() - t0
     tensors, summary = data_mod.load_dataset(data_path)
     return tensors, summary, data_seconds
+
+
+@dataclass
+class Setup:
+    """What every trainer starts from: options, data streams and the frozen target."""
+
+    opts: dict
+    out: Path
+    model_dir: Path
+    summary: dict
+    data_seconds: float
+    train: Stream
+    held: Stream
+    chat: Stream  # the target's own chat answers (the shard's first sequences): what decoding sees
+    target: Any  # NativeCausalLM, unpacked (trainers read its matrices)
+    eos: tuple[int, ...]
+
+
+def setup_run(out: str | Path, target: str | None, steps: int | None, seed: int, quick: bool, progress: bool,
+              overrides: dict) -> Setup:
+    """Options (QUICK or FULL, then ``overrides``), seeds, the data shard (built once) and the target."""
+    from specdecode.models.loading import eos_token_ids, load_tokenizer, resolve_model_dir
+    from specdecode.models.native import NativeCausalLM
+
+    opts = dict(QUICK if quick else FULL)
+    opts.update({k: v for k, v in overrides.items() if v is not None})
+    if steps is not None:
+        opts["steps"] = steps
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    seed_everything(seed)
+    model_dir = resolve_model_dir(target)
+    tensors, summary, data_seconds = prepare_data(out, model_dir, opts, seed, progress)
+    chat = Stream(tensors, heldout=False, only=set(range(summary.get("generated_sequences", 0))))
+    target_model = NativeCausalLM.from_pretrained(model_dir, pack=False)
+    eos = eos_token_ids(load_tokenizer(model_dir), target_model.config)
+    return Setup(opts, out, Path(model_dir), summary, data_seconds, Stream(tensors, heldout=False),
+                 Stream(tensors, heldout=True), chat, target_model, eos)
 
 
 def fit(
@@ -186,32 +228,15 @@ def train_eagle(
     ``stop_at`` (a step) or ``max_minutes`` (of training) interrupt the run cleanly: a checkpoint
     is written and None returned; ``resume=True`` continues it later on the same schedule.
     """
-    from specdecode.models.loading import eos_token_ids, load_tokenizer, resolve_model_dir
-    from specdecode.models.native import NativeCausalLM
     from specdecode.proposers.eagle import EagleProposer
 
-    opts = dict(QUICK if quick else FULL)
-    opts.update({k: v for k, v in overrides.items() if v is not None})
-    if steps is not None:
-        opts["steps"] = steps
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    seed_everything(seed)
-    model_dir = resolve_model_dir(target)
-    tensors, summary, data_seconds = prepare_data(out, model_dir, opts, seed, progress)
-    train, held = Stream(tensors, heldout=False), Stream(tensors, heldout=True)
-    # The target's own chat answers (the first sequences of the shard) are what decoding sees:
-    # sample them with probability ``chat_weight`` and let them dominate the draft vocabulary.
-    chat = Stream(tensors, heldout=False, only=set(range(summary.get("generated_sequences", 0))))
-
-    target_model = NativeCausalLM.from_pretrained(model_dir, pack=False)
-    tok = load_tokenizer(model_dir)
-    eos = eos_token_ids(tok, target_model.config)
+    run = setup_run(out, target, steps, seed, quick, progress, overrides)
+    opts, train, held, chat, target_model = run.opts, run.train, run.held, run.chat, run.target
     cfg = HeadConfig.for_target(target_model, draft_vocab)
     head = EagleHead(cfg)
     with torch.no_grad():
         counts_from = weighted_tokens(train, chat, chat_weight)
-        head.vocab_ids.copy_(draft_vocabulary(counts_from, cfg.draft_vocab, cfg.vocab_size, eos))
+        head.vocab_ids.copy_(draft_vocabulary(counts_from, cfg.draft_vocab, cfg.vocab_size, run.eos))
     head.attach(target_model)
     head.init_from_target(target_model)
     if init_from is not None:  # warm start from an earlier head (its layer; this run's vocabulary)
@@ -229,7 +254,7 @@ def train_eagle(
         loss, reg, ce, agree = head_loss(head, feats, tokens, scale, noise=0.05, valid=valid)
         return loss, {"reg": float(reg), "ce": float(ce), "top1": float(agree)}
 
-    done = fit(head, step_loss, out / "checkpoint.pt", steps=total, lr=lr, seed=seed, resume=resume,
+    done = fit(head, step_loss, run.out / "checkpoint.pt", steps=total, lr=lr, seed=seed, resume=resume,
                checkpoint_every=checkpoint_every, stop_at=stop_at, max_minutes=max_minutes, progress=progress,
                desc="train eagle")
     if done is None:
@@ -240,35 +265,56 @@ def train_eagle(
         return float(head_loss(head, feats, tokens, scale, valid=valid)[3]), int(valid.sum())
 
     heldout = {"top1_agreement": heldout_agreement(held, opts["seq_len"], agreement)}
-    heldout.update(heldout_acceptance(model_dir, lambda loaded: EagleProposer(loaded.model, head=head),
+    heldout.update(heldout_acceptance(run.model_dir, lambda loaded: EagleProposer(loaded.model, head=head),
                                       opts["eval_prompts"], opts["eval_tokens"]))
-    card = {
-        "method": "eagle",
-        "target": Path(str(model_dir)).name,
-        "target_drafter_name": __import__("specdecode.proposers.eagle", fromlist=["drafter_name"]).drafter_name(model_dir),
-        "how": "EAGLE-1 style head (fc over [norm(feature), norm(embedding)] + one Llama layer initialised from the "
-               "target's last layer), self-distilled: smooth-L1 on the target's pre-norm features + 0.1 x "
-               "cross-entropy vs the target's own next-token distribution over the draft vocabulary",
-        "data": dict(summary, sources="templated instructions answered greedily by the target; Python stdlib "
-                                      "source chunks (plain and as chat replies), teacher-forced"),
-        "steps": total,
-        "batch": opts["batch"],
-        "seq_len": opts["seq_len"],
+    card = common_card(
+        run, "eagle", lr=lr, seed=seed, chat_weight=chat_weight, draft_vocab=cfg.draft_vocab, history=history,
+        train_seconds=train_seconds, heldout=heldout, quick=quick,
+        how="EAGLE-1 style head (fc over [norm(feature), norm(embedding)] + one Llama layer initialised from the "
+            "target's last layer), self-distilled: smooth-L1 on the target's pre-norm features + 0.1 x "
+            "cross-entropy vs the target's own next-token distribution over the draft vocabulary",
+        extra_args=f" --init-from {Path(init_from).name}" if init_from else "",
+    )
+    card["init_from"] = None if init_from is None else Path(init_from).name
+    save_head(head, run.out, card)
+    return json.loads((run.out / "card.json").read_text())
+
+
+def common_card(
+    run: Setup, method: str, *, how: str, lr: float, seed: int, chat_weight: float, draft_vocab: int,
+    history: list, train_seconds: float, heldout: dict, quick: bool, extra_args: str = "",
+) -> dict:
+    """The card fields every trained drafter has; ``extra_args`` ends the reproduce command."""
+    from specdecode.proposers.eagle import drafter_name
+
+    o = run.opts
+    data_args = f" --generated {o['n_generated']} --chunks {o['n_chunks']} --task-share {o['task_share']}"
+    if o.get("data_seed") is not None:
+        data_args += f" --data-seed {o['data_seed']}"
+    return {
+        "method": method,
+        "target": run.model_dir.name,
+        "target_drafter_name": drafter_name(run.model_dir),
+        "how": how,
+        "data": dict(run.summary, sources="templated instructions and task prompts over the Python docs' prose, "
+                                          "answered greedily by the target; Python stdlib source chunks (plain and "
+                                          "as chat replies), teacher-forced"),
+        "steps": o["steps"],
+        "batch": o["batch"],
+        "seq_len": o["seq_len"],
         "lr": lr,
         "seed": seed,
         "chat_weight": chat_weight,
-        "init_from": None if init_from is None else Path(init_from).name,
-        "draft_vocab": cfg.draft_vocab,
-        "data_seconds": round(data_seconds, 1),
+        "draft_vocab": draft_vocab,
+        "data_seconds": round(run.data_seconds, 1),
         "train_seconds": round(train_seconds, 1),
         "final_train_loss": history[-1][1] if history else None,
         "heldout": heldout,
-        "reproduce": f"specdecode train eagle --out {out.name} --steps {total} --seed {seed} --batch {opts['batch']} "
-                     f"--seq-len {opts['seq_len']} --lr {lr} --draft-vocab {draft_vocab} --chat-weight {chat_weight}"
-                     + (f" --init-from {Path(init_from).name}" if init_from else "") + (" --quick" if quick else ""),
+        "reproduce": f"specdecode train {method} --out {run.out.name} "
+                     f"--steps {o['steps']} --seed {seed} --batch {o['batch']} --seq-len {o['seq_len']} --lr {lr} "
+                     f"--draft-vocab {draft_vocab} --chat-weight {chat_weight}{data_args}{extra_args}"
+                     + (" --quick" if quick else ""),
     }
-    save_head(head, out, card)
-    return json.loads((out / "card.json").read_text())
 
 
 def mixed_source(rng: random.Random, train: Stream, chat: Stream, chat_weight: float, seq_len: int) -> Stream:
@@ -331,6 +377,9 @@ def common_arguments(p: argparse.ArgumentParser, lr: float) -> None:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--generated", type=int, default=None, help="templated prompts answered by the target")
     p.add_argument("--chunks", type=int, default=None, help="stdlib source chunks")
+    p.add_argument("--task-share", type=float, default=None,
+                   help="share of generated prompts that are tasks over the Python docs (summaries, context QA, edits, arithmetic)")
+    p.add_argument("--data-seed", type=int, default=None, help="seed of the data build (default: --seed)")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--chat-weight", type=float, default=0.7, help="share of batches from the target's chat answers")
     p.add_argument("--max-minutes", type=float, default=None, help="stop (checkpointed) after this much training")
@@ -343,6 +392,7 @@ def common_options(args: argparse.Namespace) -> dict:
         steps=args.steps, resume=args.resume, seed=args.seed, quick=args.quick, draft_vocab=args.draft_vocab,
         lr=args.lr, checkpoint_every=args.checkpoint_every, batch=args.batch, seq_len=args.seq_len,
         n_generated=args.generated, n_chunks=args.chunks, max_minutes=args.max_minutes, chat_weight=args.chat_weight,
+        task_share=args.task_share, data_seed=args.data_seed,
     )
 
 
