@@ -183,3 +183,12 @@ def no_residual_verify(draft: Draft, target_probs: torch.Tensor, generator=None)
         if torch.rand(1, generator=generator).item() * q[i, x] >= p[i, x]:
             return Verification(torch.tensor([i]), sample(p[i].unsqueeze(0), generator))
     return Verification(torch.tensor([draft.k]), sample(p[draft.k].unsqueeze(0), generator))
+
+
+CONFORMANCE_PROMPT = [1, 2, 3, 1, 2, 0, 1]  # repeats, so lookup-style drafts find matches
+
+
+def proposer_pvalue(target, proposer, sampling: SamplingConfig, n: int, k: int = 2, n_new: int = 3) -> float:
+    """Chi-square p-value of ``n`` speculative samples against the target's exact sequence law."""
+    counts = sample_sequences(Decoder(target, proposer, k=k), CONFORMANCE_PROMPT, n_new, sampling, n)
+    return chi_square_pvalue(counts, sequence_law(target, CONFORMANCE_PROMPT, n_new, sampling))

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import ALPHA, chi_square_pvalue, sample_sequences, sequence_law, tiny_native
+from helpers import ALPHA, proposer_pvalue, tiny_native
 from specdecode.core.sampling import SamplingConfig, logits_to_probs
 from specdecode.engine import Decoder, GenerationConfig, TreeConfig
 from specdecode.errors import ConfigError
@@ -48,10 +48,6 @@ class UnmappedQ(DraftModelProposer):
         return full
 
 
-def _pvalue(target, proposer, sampling, k=2, n_new=2):
-    counts = sample_sequences(Decoder(target, proposer, k=k), PROMPT, n_new, sampling, N_SAMPLES)
-    return chi_square_pvalue(counts, sequence_law(target, PROMPT, n_new, sampling))
-
 
 def test_reported_q_is_the_drawn_distribution_mapped_to_token_ids():
     target = tiny_native(vocab=6, seed=0)
@@ -70,13 +66,13 @@ def test_reported_q_is_the_drawn_distribution_mapped_to_token_ids():
 def test_sampling_is_exact():
     target = tiny_native(vocab=5, seed=0)
     proposer = DraftModelProposer(tiny_draft(target, vocab_ids=(0, 2, 3), gain=1.0))
-    assert _pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4)) > ALPHA
+    assert proposer_pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4), N_SAMPLES, n_new=2) > ALPHA
 
 
 def test_unmapped_q_is_caught():
     target = tiny_native(vocab=5, seed=0)
     proposer = UnmappedQ(tiny_draft(target, vocab_ids=(0, 2, 3), gain=1.0))
-    assert _pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4)) < ALPHA
+    assert proposer_pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4), N_SAMPLES, n_new=2) < ALPHA
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import ALPHA, chi_square_pvalue, sample_sequences, sequence_law, tiny_native
+from helpers import ALPHA, proposer_pvalue, tiny_native
 from specdecode.core.sampling import SamplingConfig, logits_to_probs
 from specdecode.engine import Decoder, GenerationConfig, TreeConfig
 from specdecode.proposers.eagle import DRAFTERS_DIR, EagleProposer
@@ -16,7 +16,6 @@ from specdecode.train.data import target_features
 from specdecode.train.eagle import EagleHead, HeadConfig, load_head
 
 N_SAMPLES = 20_000
-PROMPT = [1, 2, 3, 1, 2, 0, 1]
 SHIPPED = DRAFTERS_DIR / "smollm2-135m-instruct" / "eagle"
 
 
@@ -41,21 +40,17 @@ class WrongTemperature(EagleProposer):
         return logits_to_probs(self.head.logits(feature), wrong)
 
 
-def _pvalue(target, proposer, sampling, k=2, n_new=3):
-    counts = sample_sequences(Decoder(target, proposer, k=k), PROMPT, n_new, sampling, N_SAMPLES)
-    return chi_square_pvalue(counts, sequence_law(target, PROMPT, n_new, sampling))
-
 
 def test_eagle_sampling_is_exact():
     target = tiny_native(vocab=5, seed=0)
     proposer = EagleProposer(target, head=random_head(target, gain=3.0))
-    assert _pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4)) > ALPHA
+    assert proposer_pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4), N_SAMPLES) > ALPHA
 
 
 def test_wrong_temperature_q_is_caught():
     target = tiny_native(vocab=5, seed=0)
     proposer = WrongTemperature(target, head=random_head(target, gain=3.0))
-    assert _pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4)) < ALPHA
+    assert proposer_pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4), N_SAMPLES) < ALPHA
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])

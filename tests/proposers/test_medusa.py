@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from helpers import ALPHA, chi_square_pvalue, sample_sequences, sequence_law, tiny_native
+from helpers import ALPHA, proposer_pvalue, tiny_native
 from specdecode.core.sampling import SamplingConfig, logits_to_probs
 from specdecode.engine import Decoder, GenerationConfig, TreeConfig
 from specdecode.errors import ConfigError
@@ -20,7 +20,6 @@ from specdecode.train.eagle import load_head
 from specdecode.train.medusa import MedusaConfig, MedusaHeads
 
 N_SAMPLES = 2_000  # enough to catch a wrong q at ALPHA (p ~ 0 at 3000), fast enough to run always
-PROMPT = [1, 2, 3, 1, 2, 0, 1]
 SHIPPED = DRAFTERS_DIR / "smollm2-135m-instruct" / "medusa"
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is fastest
@@ -45,21 +44,17 @@ class WrongTemperature(MedusaProposer):
         return logits_to_probs(logits, SamplingConfig(temperature=sampling.temperature * 0.3, top_k=sampling.top_k))
 
 
-def _pvalue(target, proposer, sampling, k=2, n_new=3):
-    counts = sample_sequences(Decoder(target, proposer, k=k), PROMPT, n_new, sampling, N_SAMPLES)
-    return chi_square_pvalue(counts, sequence_law(target, PROMPT, n_new, sampling))
-
 
 def test_medusa_sampling_is_exact():
     target = tiny_native(vocab=5, seed=0)
     proposer = MedusaProposer(target, heads=random_heads(target, draft_vocab=4))
-    assert _pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4)) > ALPHA
+    assert proposer_pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4), N_SAMPLES) > ALPHA
 
 
 def test_wrong_temperature_q_is_caught():
     target = tiny_native(vocab=5, seed=0)
     proposer = WrongTemperature(target, heads=random_heads(target, draft_vocab=4))
-    assert _pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4)) < ALPHA
+    assert proposer_pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4), N_SAMPLES) < ALPHA
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
