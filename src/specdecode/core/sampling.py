@@ -70,3 +70,11 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row of ``probs`` [batch, vocab] -> [batch] int64."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def to_vocab(probs: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Distributions over a reduced vocabulary [..., len(vocab_ids)] as full-vocabulary ones
+    [..., vocab_size]: column j goes to token ``vocab_ids[j]``, every other token gets 0."""
+    full = torch.zeros(*probs.shape[:-1], vocab_size)
+    full[..., vocab_ids] = probs
+    return full

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample, to_vocab
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.base import CausalLM
@@ -117,11 +117,7 @@ class DraftModelProposer:
 
     def _reported(self, q: torch.Tensor) -> torch.Tensor:
         """The q reported to the verifier [1, vocab]: the drawn-from distribution, mapped to token ids."""
-        if self.vocab_ids is None:
-            return q
-        full = torch.zeros(1, self.model.vocab_size)
-        full[:, self.vocab_ids] = q
-        return full
+        return q if self.vocab_ids is None else to_vocab(q, self.vocab_ids, self.model.vocab_size)
 
     def _unsure(self, logits: torch.Tensor) -> bool:
         if self.confidence_threshold <= 0.0:

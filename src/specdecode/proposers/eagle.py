@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample, to_vocab
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.static_cache import StaticKVCache
@@ -95,9 +95,7 @@ class EagleProposer(TargetFeatures):
             tok = vocab_ids[j]
             tokens.append(tok)
             if not sampling.greedy:
-                q = torch.zeros(1, self.head.cfg.vocab_size)
-                q[:, vocab_ids] = self._reported(small, out[0], sampling)
-                probs.append(q)
+                probs.append(to_vocab(self._reported(small, out[0], sampling), vocab_ids, self.head.cfg.vocab_size))
             if i + 1 < k:
                 out = self._step(out, tok, torch.tensor([n - 1 + i]))
         self.cache.trim(self.hlen)

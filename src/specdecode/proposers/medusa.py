@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample, to_vocab
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.proposers.features import TargetFeatures
@@ -80,9 +80,8 @@ class MedusaProposer(TargetFeatures):
         tokens = vocab_ids[j].unsqueeze(0)
         if sampling.greedy:
             return Draft(tokens=tokens)
-        q = torch.zeros(1, j.shape[0], self.heads.cfg.vocab_size)
-        q[0, :, vocab_ids] = self._reported(small, logits, sampling)
-        return Draft(tokens=tokens, probs=q)
+        q = to_vocab(self._reported(small, logits, sampling), vocab_ids, self.heads.cfg.vocab_size)
+        return Draft(tokens=tokens, probs=q.unsqueeze(0))
 
     def _reported(self, q: torch.Tensor, logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
         """The q reported to the verifier: exactly the distributions the tokens were drawn from."""
