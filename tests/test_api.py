@@ -50,3 +50,11 @@ def test_generator_reports_the_method_auto_chose(tmp_path):
     gen = SpeculativeGenerator(str(tmp_path / "tiny"), k=2)
     assert gen.method == "ngram"
     assert gen.generate([5, 6, 5, 6, 5], max_new_tokens=4).token_ids
+
+
+def test_confidence_policy_needs_a_drafter_with_probabilities(tmp_path):
+    from specdecode.errors import ConfigError
+
+    save_tiny_llama(tmp_path / "tiny")
+    with pytest.raises(ConfigError, match="draft, eagle, medusa"):
+        SpeculativeGenerator(str(tmp_path / "tiny"), method="ngram", policy="confidence")

@@ -10,7 +10,7 @@ from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, GenerationConfig, GenerationResult, TreeConfig
 from specdecode.engine.policy import make_policy
 from specdecode.errors import ConfigError, InputError
-from specdecode.methods import FALLBACK, METHODS, TRAINED, TREE_ONLY
+from specdecode.methods import CONFIDENCE_METHODS, FALLBACK, METHODS, TRAINED, TREE_ONLY
 from specdecode.models.loading import LoadedModel, check_compatible, load_model
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.proposers.base import Proposer
@@ -134,8 +134,8 @@ class SpeculativeGenerator:
     ) -> None:
         """``method="auto"`` runs the best drafter shipped for the target (:func:`best_method`).
         ``k="auto"`` (or ``policy="auto"``) lets the cost model pick k in 0..k_max each round;
-        ``policy`` is one of fixed, heuristic (k is the upper bound), confidence (the draft
-        model stops below ``confidence``) or auto. ``shadow=True`` decodes plainly and records
+        ``policy`` is one of fixed, heuristic (k is the upper bound), confidence (a draft
+        model, EAGLE or Medusa chain stops before a token it gives less than ``confidence``) or auto. ``shadow=True`` decodes plainly and records
         the acceptance the method would have had. ``tree=True`` verifies several candidate
         branches per round in one masked forward (native backend); ``None`` uses trees only for
         methods that need them (lookahead).
@@ -147,8 +147,9 @@ class SpeculativeGenerator:
             policy, k = "auto", k_max
         policy = policy or "fixed"
         if policy == "confidence":
-            if method != "draft":
-                raise ConfigError("policy 'confidence' needs a draft model (method 'draft')")
+            if method not in CONFIDENCE_METHODS:
+                raise ConfigError(f"policy 'confidence' needs a drafter with its own probabilities "
+                                  f"(method {', '.join(CONFIDENCE_METHODS)}), not {method!r}")
             proposer_options["confidence_threshold"] = confidence
         proposer = make_proposer(method, self.target, draft, **proposer_options)
         self.decoder = Decoder(

@@ -4,3 +4,4 @@ METHODS = ("auto", "none", "draft", "ngram", "suffix", "xtok", "lookahead", "ear
 TRAINED = ("eagle", "medusa", "draft")  # methods that can ship a trained drafter per target
 FALLBACK = "ngram"  # what "auto" runs without a shipped drafter that pays: best untrained on Spec-Bench
 TREE_ONLY = ("lookahead",)  # methods whose drafts come from a side branch of the tree forward
+CONFIDENCE_METHODS = ("draft", "eagle", "medusa")  # chains that can stop at a token they are unsure of

@@ -47,6 +47,23 @@ def test_eagle_sampling_is_exact():
     assert proposer_pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4), N_SAMPLES) > ALPHA
 
 
+def test_confidence_stopped_chains_sample_exactly():
+    target = tiny_native(vocab=5, seed=0)
+    proposer = EagleProposer(target, head=random_head(target, gain=3.0), confidence_threshold=0.6)
+    assert proposer_pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4), N_SAMPLES) > ALPHA
+
+
+def test_confidence_threshold_cuts_chains():
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    context, greedy = [1, 2, 3, 4, 1, 2], SamplingConfig(temperature=0.0)
+    lengths = []
+    for threshold in (0.0, 0.6, 0.999):
+        proposer = EagleProposer(target, head=random_head(target, gain=3.0), confidence_threshold=threshold)
+        proposer.reset(context)
+        lengths.append(proposer.propose(context, 6, greedy, None).tokens.shape[1])
+    assert lengths[0] == 6 and lengths[2] == 0 and lengths[0] >= lengths[1] >= lengths[2]
+
+
 def test_wrong_temperature_q_is_caught():
     target = tiny_native(vocab=5, seed=0)
     proposer = WrongTemperature(target, head=random_head(target, gain=3.0))
@@ -59,8 +76,9 @@ def test_greedy_identity_chain_and_tree(k):
     cfg = GenerationConfig(max_new_tokens=30)
     prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2]
     expected = Decoder(target, None).generate(prompt, cfg).token_ids
-    for tree in (None, TreeConfig(max_nodes=3 * k)):
-        proposer = EagleProposer(target, head=random_head(target, seed=k, gain=3.0), branch=2)
+    for tree, threshold in ((None, 0.0), (None, 0.5), (TreeConfig(max_nodes=3 * k), 0.0)):
+        head = random_head(target, seed=k, gain=3.0)
+        proposer = EagleProposer(target, head=head, branch=2, confidence_threshold=threshold)
         assert Decoder(target, proposer, k=k, tree=tree).generate(prompt, cfg).token_ids == expected
 
 

@@ -51,6 +51,24 @@ def test_medusa_sampling_is_exact():
     assert proposer_pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4), N_SAMPLES) > ALPHA
 
 
+def test_confidence_stopped_chains_sample_exactly():
+    target = tiny_native(vocab=5, seed=0)
+    proposer = MedusaProposer(target, heads=random_heads(target, draft_vocab=4), confidence_threshold=0.5)
+    assert proposer_pvalue(target, proposer, SamplingConfig(temperature=1.0, top_k=4), N_SAMPLES) > ALPHA
+
+
+def test_confidence_threshold_cuts_chains():
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    context, greedy = [1, 2, 3, 4, 1, 2], SamplingConfig(temperature=0.0)
+    heads = random_heads(target, draft_vocab=5)
+    lengths = []
+    for threshold in (0.0, 0.5, 0.999):
+        proposer = MedusaProposer(target, heads=heads, confidence_threshold=threshold)
+        proposer.reset(context)
+        lengths.append(proposer.propose(context, 6, greedy, None).tokens.shape[1])
+    assert lengths[0] == heads.cfg.num_heads and lengths[2] == 0 and lengths[0] >= lengths[1] >= lengths[2]
+
+
 def test_wrong_temperature_q_is_caught():
     target = tiny_native(vocab=5, seed=0)
     proposer = WrongTemperature(target, heads=random_heads(target, draft_vocab=4))
@@ -63,8 +81,9 @@ def test_greedy_identity_chain_and_tree(k):
     cfg = GenerationConfig(max_new_tokens=30)
     prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2]
     expected = Decoder(target, None).generate(prompt, cfg).token_ids
-    for tree in (None, TreeConfig(max_nodes=3 * k)):
-        proposer = MedusaProposer(target, heads=random_heads(target, seed=k, draft_vocab=5), branch=2)
+    for tree, threshold in ((None, 0.0), (None, 0.4), (TreeConfig(max_nodes=3 * k), 0.0)):
+        heads = random_heads(target, seed=k, draft_vocab=5)
+        proposer = MedusaProposer(target, heads=heads, branch=2, confidence_threshold=threshold)
         assert Decoder(target, proposer, k=k, tree=tree).generate(prompt, cfg).token_ids == expected
 
 

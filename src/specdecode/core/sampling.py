@@ -78,3 +78,21 @@ def to_vocab(probs: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> t
     full = torch.zeros(*probs.shape[:-1], vocab_size)
     full[..., vocab_ids] = probs
     return full
+
+
+def confident_prefix(logits: torch.Tensor, threshold: float) -> int:
+    """How many leading rows of draft logits [n, vocab] have a top probability (temperature 1,
+    unfiltered) of at least ``threshold``: a drafter stops before the first unsure token.
+
+    The cut depends only on the drafter's own distributions, so verification stays exact.
+    """
+    if threshold <= 0.0:
+        return logits.shape[0]
+    sure = (torch.softmax(logits.float(), dim=-1).amax(-1) >= threshold).tolist()
+    return sure.index(False) if False in sure else len(sure)
+
+
+def check_threshold(threshold: float) -> None:
+    """Refuse a confidence threshold outside [0, 1) (0 turns confidence stopping off)."""
+    if not 0.0 <= threshold < 1.0:
+        raise ConfigError(f"confidence_threshold must be in [0, 1), got {threshold}")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample, to_vocab
+from specdecode.core.sampling import SamplingConfig, check_threshold, confident_prefix, logits_to_probs, sample, to_vocab
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.base import CausalLM
@@ -15,9 +15,9 @@ from specdecode.models.base import CausalLM
 class DraftModelProposer:
     """Samples k tokens autoregressively from the draft with the target's sampling settings.
 
-    ``confidence_threshold`` > 0 stops drafting early once the draft's own top probability
-    (temperature 1, unfiltered) falls below it; exactness is unaffected because the decision
-    depends only on tokens already drafted.
+    ``confidence_threshold`` > 0 stops drafting before the first token whose draft top probability
+    (temperature 1, unfiltered) is below it, possibly before the first (a plain round); exactness
+    is unaffected because the decision depends only on the draft's own distributions.
 
     A model with an output-vocabulary map ``vocab_ids`` (logit column j scores token
     ``vocab_ids[j]``, e.g. a distilled draft over the most frequent tokens) drafts within it; the
@@ -34,8 +34,7 @@ class DraftModelProposer:
         branch: int = 3,
         static_tree: list[tuple[int, ...]] | None = None,
     ) -> None:
-        if not 0.0 <= confidence_threshold < 1.0:
-            raise ConfigError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
+        check_threshold(confidence_threshold)
         if branch < 1:
             raise ConfigError(f"branch must be >= 1, got {branch}")
         self.model = model
@@ -79,7 +78,7 @@ class DraftModelProposer:
         logits = self._sync(context)
         tokens, probs = [], []
         for i in range(k):
-            if i > 0 and self._unsure(logits):
+            if confident_prefix(logits, self.confidence_threshold) == 0:
                 break
             q = logits_to_probs(logits, sampling)  # [1, output columns]
             j = q.argmax(-1) if sampling.greedy else sample(q, generator)
@@ -90,6 +89,8 @@ class DraftModelProposer:
             if i + 1 < k:
                 logits = self.model.forward(x.view(1, 1), self.cache)[:, -1]
                 self.cached.append(int(x))
+        if not tokens:
+            return Draft.empty()
         return Draft(
             tokens=torch.stack(tokens, dim=1),  # [1, k]
             probs=None if sampling.greedy else torch.stack(probs, dim=1),  # [1, k, vocab]
@@ -118,11 +119,6 @@ class DraftModelProposer:
     def _reported(self, q: torch.Tensor) -> torch.Tensor:
         """The q reported to the verifier [1, vocab]: the drawn-from distribution, mapped to token ids."""
         return q if self.vocab_ids is None else to_vocab(q, self.vocab_ids, self.model.vocab_size)
-
-    def _unsure(self, logits: torch.Tensor) -> bool:
-        if self.confidence_threshold <= 0.0:
-            return False
-        return float(torch.softmax(logits.float(), dim=-1).max()) < self.confidence_threshold
 
     def observe(self, num_accepted: int) -> None:
         pass  # the next _sync trims whatever the target rejected

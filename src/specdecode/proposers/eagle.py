@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample, to_vocab
+from specdecode.core.sampling import SamplingConfig, check_threshold, confident_prefix, logits_to_probs, sample, to_vocab
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.static_cache import StaticKVCache
@@ -37,13 +37,17 @@ def shipped_head_dir(source: str | Path, kind: str = "eagle") -> Path:
 class EagleProposer(TargetFeatures):
     name = "eagle"
 
-    def __init__(self, target, head=None, path: str | Path | None = None, branch: int = 4) -> None:
+    def __init__(self, target, head=None, path: str | Path | None = None, branch: int = 4,
+                 confidence_threshold: float = 0.0) -> None:
+        """``confidence_threshold`` > 0: a chain stops before the first draft token whose head top
+        probability is below it (EAGLE-2's observation: the head's confidence tracks acceptance)."""
         from specdecode.train.eagle import load_head
 
         if getattr(target, "backend", None) != "native":
             raise ConfigError("EAGLE needs the native backend (it reads the target's hidden features)")
         if branch < 1:
             raise ConfigError(f"branch must be >= 1, got {branch}")
+        check_threshold(confidence_threshold)
         if head is None:
             if path is None:
                 raise ConfigError("EAGLE needs a trained head (a folder with model.safetensors and card.json)")
@@ -54,6 +58,7 @@ class EagleProposer(TargetFeatures):
         self.head = head.eval()
         self.target = target
         self.branch = branch
+        self.confidence_threshold = confidence_threshold
         self.hidden = head.cfg.hidden
         self.reset([])
 
@@ -90,7 +95,10 @@ class EagleProposer(TargetFeatures):
         vocab_ids, n = self.head.vocab_ids, len(context)
         tokens, probs = [], []
         for i in range(k):
-            small = logits_to_probs(self.head.logits(out[0]), sampling)  # [1, draft_vocab]
+            logits = self.head.logits(out[0])  # [1, draft_vocab]
+            if confident_prefix(logits, self.confidence_threshold) == 0:
+                break
+            small = logits_to_probs(logits, sampling)
             j = small.argmax(-1) if sampling.greedy else sample(small, generator)
             tok = vocab_ids[j]
             tokens.append(tok)
@@ -99,6 +107,8 @@ class EagleProposer(TargetFeatures):
             if i + 1 < k:
                 out = self._step(out, tok, torch.tensor([n - 1 + i]))
         self.cache.trim(self.hlen)
+        if not tokens:
+            return Draft.empty()
         return Draft(tokens=torch.stack(tokens, dim=1), probs=None if sampling.greedy else torch.stack(probs, dim=1))
 
     def _reported(self, q: torch.Tensor, feature: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample, to_vocab
+from specdecode.core.sampling import SamplingConfig, check_threshold, confident_prefix, logits_to_probs, sample, to_vocab
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.proposers.features import TargetFeatures
@@ -35,8 +35,10 @@ from specdecode.proposers.features import TargetFeatures
 class MedusaProposer(TargetFeatures):
     name = "medusa"
 
-    def __init__(self, target, heads=None, path: str | Path | None = None, branch: int = 4) -> None:
-        """``heads``: trained :class:`~specdecode.train.medusa.MedusaHeads`, or a folder ``path`` with them."""
+    def __init__(self, target, heads=None, path: str | Path | None = None, branch: int = 4,
+                 confidence_threshold: float = 0.0) -> None:
+        """``heads``: trained :class:`~specdecode.train.medusa.MedusaHeads`, or a folder ``path`` with them.
+        ``confidence_threshold`` > 0: a chain stops before the first head whose top probability is below it."""
         from specdecode.train.eagle import load_head
         from specdecode.train.medusa import MedusaHeads
 
@@ -44,6 +46,7 @@ class MedusaProposer(TargetFeatures):
             raise ConfigError("Medusa needs the native backend (it reads the target's hidden states)")
         if branch < 1:
             raise ConfigError(f"branch must be >= 1, got {branch}")
+        check_threshold(confidence_threshold)
         if heads is None:
             if path is None:
                 raise ConfigError("Medusa needs trained heads (a folder with model.safetensors and card.json)")
@@ -54,6 +57,7 @@ class MedusaProposer(TargetFeatures):
         self.heads = heads.eval()
         self.target = target
         self.branch = branch
+        self.confidence_threshold = confidence_threshold
         self.hidden = heads.cfg.hidden
         self.reset([])
 
@@ -72,7 +76,9 @@ class MedusaProposer(TargetFeatures):
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         logits = self._head_logits(context, k)
-        if logits is None:
+        if logits is not None:
+            logits = logits[: confident_prefix(logits, self.confidence_threshold)]
+        if logits is None or logits.shape[0] == 0:
             return Draft.empty()
         small = logits_to_probs(logits, sampling)  # [k, draft_vocab], one row per head
         j = small.argmax(-1) if sampling.greedy else sample(small, generator)

@@ -4,13 +4,16 @@ Two prompt sources, both generated locally:
 
 * instructions made from templates x topics (:func:`instruction_prompts`), answered by the target
   itself (continuously batched greedy decoding, :mod:`specdecode.engine.batch`);
+* user turns written by the target itself (self-instruct, as in Magpie: sampled continuations of
+  the chat template's empty user turn, :func:`self_instruct_prompts`), answered by the target;
 * chunks of the Python standard library's source on disk (code and docstrings), teacher-forced
   in one prefill each, half as plain text and half as an assistant turn under the chat template.
 
 Every sequence is then run once through the native target, recording the last layer's output
 (before the final norm) at every position. A shard holds ``tokens`` (int32 [N]), ``features``
 (float16 [N, hidden]) and ``offsets`` (int64 [S + 1], sequence boundaries), plus ``heldout``
-(int64 [S], 1 for sequences kept out of training).
+(int64 [S], 1 for sequences kept out of training, chosen by a hash of their tokens so that a
+sequence's split never depends on what else is in the shard).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import random
 import sysconfig
+import zlib
 from pathlib import Path
 
 import torch
@@ -148,6 +152,54 @@ def chat_ids(tokenizer, user: str, assistant: str | None = None) -> list[int]:
     return list(tokenizer.encode(user + ("\n" + assistant if assistant else "\n"), add_special_tokens=False))
 
 
+def user_turn_prefix(tokenizer) -> list[int] | None:
+    """Token ids of the chat template up to an (empty) user message; None without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    sentinel = "\u2063SENTINEL\u2063"
+    text = tokenizer.decode(chat_ids(tokenizer, sentinel))
+    return list(tokenizer.encode(text[: text.index(sentinel)], add_special_tokens=False))
+
+
+def self_instruct_prompts(target, tokenizer, n: int, seed: int, eos: tuple[int, ...], batch: int = 48,
+                          max_tokens: int = 96, progress: bool = True) -> list[str]:
+    """``n`` distinct user turns written by the target itself (Magpie, arXiv 2406.08464).
+
+    The target continues its chat template's empty user turn, sampled at temperature 1 (top-p
+    0.95); turns it ends itself within ``max_tokens`` with at least three words are kept. Fewer
+    than ``n`` come back when the target keeps repeating itself or has no chat template.
+    """
+    from specdecode.core.sampling import SamplingConfig
+    from specdecode.engine.batch import generate_batch
+
+    prefix = user_turn_prefix(tokenizer)
+    if prefix is None or n <= 0:
+        return []
+    generator = torch.Generator().manual_seed(seed)
+    out: dict[str, None] = {}  # ordered set
+    for _ in range(8):
+        want = n - len(out)
+        if want <= 0:
+            break
+        turns = generate_batch(target, [prefix] * (want + want // 4 + 1), max_tokens, eos_token_ids=eos,
+                               sampling=SamplingConfig(temperature=1.0, top_p=0.95), max_batch=batch,
+                               generator=generator)
+        for t in turns:
+            if t and t[-1] in eos:
+                text = tokenizer.decode(t[:-1]).strip()
+                if len(text.split()) >= 3 and len(out) < n:
+                    out[text] = None
+    return list(out)
+
+
+def is_heldout(ids: list[int], fraction: float) -> bool:
+    """Whether a sequence is held out: a stable hash of its tokens, so the split of a sequence
+    never depends on the rest of the shard."""
+    if fraction <= 0:
+        return False
+    return zlib.crc32(torch.tensor(ids, dtype=torch.int32).numpy().tobytes()) % 10_000 < fraction * 10_000
+
+
 def generate_responses(target, prompts: list[list[int]], max_new: int, batch: int, eos: tuple[int, ...], progress: bool = True) -> list[list[int]]:
     """Greedy continuations of ``prompts`` by the native target, continuously batched.
 
@@ -189,12 +241,13 @@ def build_dataset(
     batch: int = 32,
     heldout_fraction: float = 0.05,
     task_share: float = 0.0,
+    n_self_instruct: int = 0,
     progress: bool = True,
 ) -> dict:
-    """Write a shard to ``out_path``; return its summary (sequence and token counts)."""
-    from safetensors.torch import save_file
-    from tqdm import tqdm
+    """Write a shard to ``out_path``; return its summary (sequence and token counts).
 
+    Sequences are stored templated answers first, then self-instructed answers, then stdlib chunks.
+    """
     from specdecode.models.loading import eos_token_ids, load_tokenizer
     from specdecode.models.native import NativeCausalLM
 
@@ -208,6 +261,10 @@ def build_dataset(
     prompts = [chat_ids(tok, p) for p in instruction_prompts(n_generated, seed, task_share=task_share)]
     sequences = generate_responses(target, prompts, gen_tokens, batch, eos, progress) if prompts else []
     kinds = ["generated"] * len(sequences)
+    own = self_instruct_prompts(target, tok, n_self_instruct, seed + 2, eos, batch, progress=progress)
+    if own:
+        sequences += generate_responses(target, [chat_ids(tok, p) for p in own], gen_tokens, batch, eos, progress)
+        kinds += ["self_instruct"] * len(own)
     for j, text in enumerate(stdlib_texts(n_chunks, seed + 1, chunk_chars)):
         if j % 2 == 0:
             ids = list(tok.encode(text, add_special_tokens=False))
@@ -219,33 +276,43 @@ def build_dataset(
             sequences.append(ids)
             kinds.append("stdlib")
     sequences = [s[:limit] for s in sequences]
+    feats = [target_features(target, s).half() for s in _bar(sequences, "features", progress)]
+    return write_shard(out_path, sequences, kinds, feats, heldout_fraction, seed)
 
-    order = list(range(len(sequences)))
-    rng.shuffle(order)
-    n_held = max(1, round(len(order) * heldout_fraction)) if len(order) > 1 else 0
-    held = set(order[:n_held])
 
-    feats, toks, offsets = [], [], [0]
-    for s in tqdm(sequences, desc="features", disable=not progress):
-        feats.append(target_features(target, s).half())
-        toks.append(torch.tensor(s, dtype=torch.int32))
+def _bar(items: list, desc: str, progress: bool):
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, disable=not progress)
+
+
+def write_shard(out_path: str | Path, sequences: list[list[int]], kinds: list[str], feats: list[torch.Tensor],
+                heldout_fraction: float, seed: int) -> dict:
+    """Store sequences (chat answers first: the trainers' chat stream is the shard's first
+    ``generated_sequences``), their fp16 features and the held-out flags; return the summary."""
+    from safetensors.torch import save_file
+
+    offsets = [0]
+    for s in sequences:
         offsets.append(offsets[-1] + len(s))
+    held = [int(is_heldout(s, heldout_fraction)) for s in sequences]
     summary = {
         "sequences": len(sequences),
         "tokens": offsets[-1],
-        "generated_sequences": kinds.count("generated"),
+        "generated_sequences": kinds.count("generated") + kinds.count("self_instruct"),
+        "self_instruct_sequences": kinds.count("self_instruct"),
         "stdlib_sequences": kinds.count("stdlib"),
-        "heldout_sequences": n_held,
+        "heldout_sequences": sum(held),
         "seed": seed,
     }
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     save_file(
         {
-            "tokens": torch.cat(toks),
+            "tokens": torch.cat([torch.tensor(s, dtype=torch.int32) for s in sequences]),
             "features": torch.cat(feats),
             "offsets": torch.tensor(offsets, dtype=torch.int64),
-            "heldout": torch.tensor([int(i in held) for i in range(len(sequences))], dtype=torch.int64),
+            "heldout": torch.tensor(held, dtype=torch.int64),
         },
         str(out_path),
         metadata={"summary": json.dumps(summary)},

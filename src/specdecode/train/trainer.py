@@ -27,10 +27,12 @@ import torch
 from specdecode.train import data as data_mod
 from specdecode.train.eagle import EagleHead, HeadConfig, head_loss, save_head
 
-QUICK = dict(n_generated=4, gen_tokens=24, n_chunks=6, chunk_chars=600, task_share=0.5, steps=20, batch=4, seq_len=32,
+QUICK = dict(n_generated=4, gen_tokens=24, n_chunks=6, chunk_chars=600, task_share=0.5, n_self_instruct=2, steps=20, batch=4, seq_len=32,
              eval_prompts=2, eval_tokens=16)
-# The shipped drafters' shard: 2,400 target answers (half to task prompts) + 200 stdlib chunks, 540k tokens.
-FULL = dict(n_generated=2400, gen_tokens=160, n_chunks=200, chunk_chars=1600, task_share=0.5, steps=1500, batch=8,
+# The shipped drafters' shard: 2,400 answers to templated prompts (half of them tasks), 2,000 answers to
+# self-instructed prompts and 200 stdlib chunks.
+FULL = dict(n_generated=2400, gen_tokens=160, n_chunks=200, chunk_chars=1600, task_share=0.5, n_self_instruct=2000,
+            steps=1500, batch=8,
             seq_len=256, eval_prompts=4, eval_tokens=64)
 
 
@@ -96,6 +98,7 @@ def prepare_data(out: Path, model_dir: Path, opts: dict, seed: int, progress: bo
         data_mod.build_dataset(
             model_dir, data_path, n_generated=opts["n_generated"], gen_tokens=opts["gen_tokens"],
             n_chunks=opts["n_chunks"], chunk_chars=opts["chunk_chars"], task_share=opts["task_share"],
+            n_self_instruct=opts.get("n_self_instruct", 0),
             seed=seed if opts.get("data_seed") is None else opts["data_seed"], progress=progress,
         )
     data_seconds = time.perf_counter() - t0
@@ -280,6 +283,11 @@ def train_eagle(
     return json.loads((run.out / "card.json").read_text())
 
 
+SOURCES = ("templated instructions and task prompts over the Python docs' prose, and user turns the target wrote "
+           "itself (self-instruct), answered greedily by the target; Python stdlib source chunks (plain and as chat "
+           "replies), teacher-forced")
+
+
 def common_card(
     run: Setup, method: str, *, how: str, lr: float, seed: int, chat_weight: float, draft_vocab: int,
     history: list, train_seconds: float, heldout: dict, quick: bool, extra_args: str = "",
@@ -288,7 +296,8 @@ def common_card(
     from specdecode.proposers.eagle import drafter_name
 
     o = run.opts
-    data_args = f" --generated {o['n_generated']} --chunks {o['n_chunks']} --task-share {o['task_share']}"
+    data_args = (f" --generated {o['n_generated']} --self-instruct {o.get('n_self_instruct', 0)} --chunks {o['n_chunks']}"
+                 f" --task-share {o['task_share']}")
     if o.get("data_seed") is not None:
         data_args += f" --data-seed {o['data_seed']}"
     return {
@@ -296,9 +305,7 @@ def common_card(
         "target": run.model_dir.name,
         "target_drafter_name": drafter_name(run.model_dir),
         "how": how,
-        "data": dict(run.summary, sources="templated instructions and task prompts over the Python docs' prose, "
-                                          "answered greedily by the target; Python stdlib source chunks (plain and "
-                                          "as chat replies), teacher-forced"),
+        "data": dict(run.summary, sources=SOURCES),
         "steps": o["steps"],
         "batch": o["batch"],
         "seq_len": o["seq_len"],
@@ -376,6 +383,8 @@ def common_arguments(p: argparse.ArgumentParser, lr: float) -> None:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--generated", type=int, default=None, help="templated prompts answered by the target")
+    p.add_argument("--self-instruct", type=int, default=None,
+                   help="prompts the target writes itself (Magpie-style), answered by the target")
     p.add_argument("--chunks", type=int, default=None, help="stdlib source chunks")
     p.add_argument("--task-share", type=float, default=None,
                    help="share of generated prompts that are tasks over the Python docs (summaries, context QA, edits, arithmetic)")
@@ -392,7 +401,7 @@ def common_options(args: argparse.Namespace) -> dict:
         steps=args.steps, resume=args.resume, seed=args.seed, quick=args.quick, draft_vocab=args.draft_vocab,
         lr=args.lr, checkpoint_every=args.checkpoint_every, batch=args.batch, seq_len=args.seq_len,
         n_generated=args.generated, n_chunks=args.chunks, max_minutes=args.max_minutes, chat_weight=args.chat_weight,
-        task_share=args.task_share, data_seed=args.data_seed,
+        task_share=args.task_share, data_seed=args.data_seed, n_self_instruct=args.self_instruct,
     )
 
 
