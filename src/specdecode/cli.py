@@ -54,6 +54,8 @@ def _generate_parser(sub: Any) -> None:
     p.add_argument("--k-max", type=_positive_int, default=8, help="upper bound for --k auto")
     p.add_argument("--policy", choices=["fixed", "heuristic", "confidence", "auto"], default=None,
                    help="how k changes between rounds (default: fixed; auto with --k auto)")
+    p.add_argument("--confidence", type=float, default=0.5,
+                   help="--policy confidence: a draft/eagle/medusa chain stops before a token it gives less than this")
     p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
                    help="verify a tree of candidates per round (default: only for lookahead)")
     p.add_argument("--max-nodes", type=_positive_int, default=16, help="tree node budget per round")
@@ -105,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = load_model(args.target, dtype=args.dtype, backend=args.backend)
     gen = SpeculativeGenerator(
         target, method=args.method, k=args.k, k_max=args.k_max, draft=args.draft,
-        policy=args.policy, shadow=args.shadow, tree=args.tree, max_nodes=args.max_nodes,
+        policy=args.policy, confidence=args.confidence, shadow=args.shadow, tree=args.tree, max_nodes=args.max_nodes,
         **({"layers": args.exit_layers} if args.exit_layers and args.method == "early-exit" else {}),
     )
     kwargs = dict(

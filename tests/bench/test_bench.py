@@ -197,6 +197,8 @@ def test_advise_without_results_is_a_clear_error(tmp_path):
         ('{"category": "x"}\n', [], "line 1: needs a 'prompt' string or a 'turns' list"),
         ('{"prompt": "a", "category": "x"}\n', ["--methods", "none,bogus"], "unknown method 'bogus'"),
         ('{"prompt": "a", "category": "x"}\n', ["--methods", "xtok"], "needs a draft model"),
+        ('{"prompt": "a", "category": "x"}\n', ["--methods", "ngram+conf"], "only draft, eagle, medusa chains"),
+        ('{"prompt": "a", "category": "x"}\n', ["--methods", "none+conf"], "unknown method 'none+conf'"),
         ('{"prompt": "a", "category": "x"}\n', ["--k", "2,zero"], "--k: expected integers"),
     ],
 )
@@ -257,3 +259,12 @@ def test_advise_never_recommends_a_cell_without_accepted_drafts():
     real = {"categories": ["qa"], "aggregates": [row(2, 1.3, 1.6, 0.5), row(4, 1.5, 1.0, 0.0)]}
     (qa, _) = recommend(real)
     assert (qa["method"], qa["k"]) == ("ngram", 2) and qa["line"].startswith("qa: ngram k=2 — measured 1.30x")
+
+
+def test_conf_methods_parse_and_enter_the_fingerprint():
+    from specdecode.bench.runner import base_method, fingerprint, parse_options
+
+    opts = parse_options(["--out", "x", "--methods", "none,eagle,eagle+conf,medusa+conf", "--confidence", "0.3"])
+    assert [base_method(m) for m in opts.methods] == ["none", "eagle", "eagle", "medusa"] and opts.confidence == 0.3
+    other = parse_options(["--out", "x", "--methods", "none,eagle,eagle+conf,medusa+conf", "--confidence", "0.4"])
+    assert fingerprint(opts, "t", None) != fingerprint(other, "t", None)

@@ -25,10 +25,11 @@ from typing import Any
 
 from specdecode.bench.workload import WorkItem, default_workload_path, groups_in_order, load_workload, select
 from specdecode.errors import ConfigError, InputError
-from specdecode.methods import METHODS
+from specdecode.methods import CONFIDENCE_METHODS, METHODS
 
 SPEC_METHODS = tuple(m for m in METHODS if m != "none")  # speculative methods (draft/eagle/... shipped or --draft)
 TREE_SUFFIX = "+tree"  # e.g. "ngram+tree": the same method verifying candidate trees
+CONF_SUFFIX = "+conf"  # e.g. "eagle+conf": chains stop before a token the drafter gives < --confidence
 ALL_METHODS = ("none",) + SPEC_METHODS
 COST_CONTEXT = 200  # cache length for the forward-cost curve
 AUTO_K_MAX = 8  # k_max the engine's auto policy uses by default
@@ -80,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--methods", default=None, help=f"comma list of {', '.join(ALL_METHODS)} (default {DEFAULTS['methods']}, plus draft with --draft)")
     p.add_argument("--k", default=None, help=f"comma list of draft lengths and/or auto (default {DEFAULTS['k']})")
+    p.add_argument("--confidence", type=float, default=0.5,
+                   help=f"threshold of the {CONF_SUFFIX} methods ({', '.join(CONFIDENCE_METHODS)}{CONF_SUFFIX})")
     p.add_argument("--temperatures", default=None, help="comma list; 0 = greedy (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=None, help=f"default {DEFAULTS['max_new_tokens']}")
     p.add_argument("--prompts-per-category", type=int, default=None, help=f"0 = all (default {DEFAULTS['prompts_per_category']})")
@@ -106,6 +109,7 @@ class Options:
     seed: int
     hf: bool
     threads: int | None = None
+    confidence: float = 0.5
 
 
 def parse_options(argv: list[str]) -> Options:
@@ -116,7 +120,7 @@ def parse_options(argv: list[str]) -> Options:
         methods_text += ",draft"
     methods = _methods(methods_text)
     for m in methods:
-        if m.removesuffix(TREE_SUFFIX) == "xtok" and not args.draft:
+        if base_method(m) == "xtok" and not args.draft:
             raise ConfigError(f"method '{m}' needs a draft model (--draft PATH)")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else preset["max_new_tokens"]
     if max_new < 1:
@@ -131,7 +135,7 @@ def parse_options(argv: list[str]) -> Options:
         dtype=args.dtype, backend=args.backend, methods=methods, ks=_ks(args.k or preset["k"]),
         temperatures=_temperatures(args.temperatures or preset["temperatures"]), max_new_tokens=max_new,
         prompts_per_category=per_cat, seed=args.seed, hf=not args.no_hf,
-        threads=args.threads if args.threads is not None else preset["threads"],
+        threads=args.threads if args.threads is not None else preset["threads"], confidence=args.confidence,
     )
 
 
@@ -142,11 +146,20 @@ def _split(text: str, what: str) -> list[str]:
     return list(dict.fromkeys(parts))
 
 
+def base_method(name: str) -> str:
+    """The method of a bench method name: 'eagle+tree' -> 'eagle', 'medusa+conf' -> 'medusa'."""
+    return name.removesuffix(TREE_SUFFIX).removesuffix(CONF_SUFFIX)
+
+
 def _methods(text: str) -> list[str]:
     methods = _split(text.lower(), "--methods")
     for m in methods:
-        if m.removesuffix(TREE_SUFFIX) not in ALL_METHODS or m == "none" + TREE_SUFFIX:
-            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)} (+tree)")
+        base = base_method(m)
+        if base not in ALL_METHODS or (base == "none" and m != "none"):
+            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)} (+tree, or +conf for "
+                              f"{', '.join(CONFIDENCE_METHODS)})")
+        if m.endswith(CONF_SUFFIX) and base not in CONFIDENCE_METHODS:
+            raise ConfigError(f"{m!r}: only {', '.join(CONFIDENCE_METHODS)} chains stop on confidence")
     return methods
 
 
@@ -299,6 +312,8 @@ def fingerprint(opts: Options, target_source: str, draft_source: str | None) -> 
     """Settings a stored result depends on besides its cell and prompt."""
     spec = {"target": target_source, "draft": draft_source,
             "dtype": opts.dtype, "backend": opts.backend, "max_new_tokens": opts.max_new_tokens, "seed": opts.seed}
+    if any(m.endswith(CONF_SUFFIX) for m in opts.methods):
+        spec["confidence"] = opts.confidence
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -365,7 +380,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
     console.print(f"bench: {len(items)} prompts in {len(groups_in_order(items))} categories -> {opts.out}")
 
     target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
-    needs_draft = any(m.removesuffix(TREE_SUFFIX) in ("draft", "xtok") for m in opts.methods)
+    needs_draft = any(base_method(m) in ("draft", "xtok") for m in opts.methods)
     draft = load_model(opts.draft, dtype=opts.dtype) if needs_draft and opts.draft else None
     fp = fingerprint(opts, target.source, draft.source if draft else None)
 
@@ -377,10 +392,12 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         sig = (cell.method, cell.k)
         if sig not in gens:
             try:
-                base = cell.method.removesuffix(TREE_SUFFIX)
+                base = base_method(cell.method)
+                conf = cell.method.endswith(CONF_SUFFIX)
                 gens[sig] = SpeculativeGenerator(
                     target, method=base, k=cell.k if base != "none" else 1, draft=draft,
                     tree=cell.method.endswith(TREE_SUFFIX) or None,
+                    **({"policy": "confidence", "confidence": opts.confidence} if conf else {}),
                 )
             except (ConfigError, TypeError, ValueError) as exc:
                 gens[sig] = exc
