@@ -58,3 +58,25 @@ def test_confidence_policy_needs_a_drafter_with_probabilities(tmp_path):
     save_tiny_llama(tmp_path / "tiny")
     with pytest.raises(ConfigError, match="draft, eagle, medusa"):
         SpeculativeGenerator(str(tmp_path / "tiny"), method="ngram", policy="confidence")
+
+
+def test_auto_runs_the_settings_the_card_was_measured_with(drafters, monkeypatch):
+    from specdecode import api
+
+    ship(drafters, "eagle", 1.4)
+    card = drafters / "tiny-chat" / "eagle" / "card.json"
+    data = json.loads(card.read_text())
+    data["benchmark"]["settings"] = {"k": 6, "policy": "confidence", "confidence": 0.3}
+    card.write_text(json.dumps(data))
+    assert api.benchmarked_settings(TARGET, "eagle") == {"k": 6, "policy": "confidence", "confidence": 0.3}
+    assert api.benchmarked_settings(TARGET, "medusa") == {}
+    seen = {}
+    monkeypatch.setattr(api, "make_proposer", lambda method, target, draft, **o: seen.update(o, method=method) or object())
+    monkeypatch.setattr(api, "Decoder", lambda model, proposer, k, **o: seen.update(k=k, policy=o["policy"].name))
+    loaded = api.LoadedModel(model=None, tokenizer=None, source=TARGET.source)
+    auto = api.SpeculativeGenerator(loaded)
+    assert (auto.method, auto.k) == ("eagle", 6)
+    assert seen == {"method": "eagle", "confidence_threshold": 0.3, "k": 6, "policy": "confidence"}
+    seen.clear()
+    api.SpeculativeGenerator(loaded, method="eagle")  # asked for by name: the plain defaults
+    assert seen == {"method": "eagle", "k": 4, "policy": "fixed"}

@@ -42,6 +42,14 @@ def best_method(target: LoadedModel) -> str:
     return best
 
 
+def benchmarked_settings(target: LoadedModel, method: str) -> dict[str, Any]:
+    """The settings (k, policy, confidence) a shipped drafter's card says its speedup was measured
+    with, so that ``method="auto"`` runs what was measured; empty for anything else."""
+    card = shipped_drafters(target).get(method) or {}
+    settings = (card.get("benchmark") or {}).get("settings") or {}
+    return {key: settings[key] for key in ("k", "policy", "confidence") if key in settings}
+
+
 def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | None = None, **options: Any) -> Proposer | None:
     """The proposer for ``method``; ``draft`` is a loaded model or a path (methods draft, xtok)."""
     if method == "auto":
@@ -122,27 +130,33 @@ class SpeculativeGenerator:
         target: LoadedModel | str | os.PathLike | None = None,
         *,
         method: str = "auto",
-        k: int | str = 4,
+        k: int | str | None = None,
         draft: LoadedModel | str | os.PathLike | None = None,
         policy: str | None = None,
         k_max: int = 8,
-        confidence: float = 0.5,
+        confidence: float | None = None,
         shadow: bool = False,
         tree: bool | None = None,
         max_nodes: int = 16,
         **proposer_options: Any,
     ) -> None:
-        """``method="auto"`` runs the best drafter shipped for the target (:func:`best_method`).
-        ``k="auto"`` (or ``policy="auto"``) lets the cost model pick k in 0..k_max each round;
-        ``policy`` is one of fixed, heuristic (k is the upper bound), confidence (a draft
-        model, EAGLE or Medusa chain stops before a token it gives less than ``confidence``) or auto. ``shadow=True`` decodes plainly and records
-        the acceptance the method would have had. ``tree=True`` verifies several candidate
+        """``method="auto"`` runs the best drafter shipped for the target (:func:`best_method`) with
+        the settings its card's speedup was measured with, unless ``k``/``policy``/``confidence``
+        are given. ``k`` (default 4) drafts per round; ``k="auto"`` (or ``policy="auto"``) lets the
+        cost model pick k in 0..k_max each round; ``policy`` is one of fixed, heuristic (k is the
+        upper bound), confidence (a draft model, EAGLE or Medusa chain stops before a token it
+        gives less than ``confidence``, default 0.5) or auto. ``shadow=True`` decodes plainly and
+        records the acceptance the method would have had. ``tree=True`` verifies several candidate
         branches per round in one masked forward (native backend); ``None`` uses trees only for
         methods that need them (lookahead).
         """
         self.target = target if isinstance(target, LoadedModel) else load_model(target)
-        self.method = best_method(self.target) if method == "auto" else method
-        method = self.method
+        chosen = method == "auto"
+        self.method = method = best_method(self.target) if chosen else method
+        measured = benchmarked_settings(self.target, method) if chosen else {}
+        self.k = k = measured.get("k", 4) if k is None else k  # int, or "auto"
+        policy = policy or measured.get("policy")
+        confidence = measured.get("confidence", 0.5) if confidence is None else confidence
         if k == "auto":
             policy, k = "auto", k_max
         policy = policy or "fixed"

@@ -50,11 +50,12 @@ def _generate_parser(sub: Any) -> None:
     p.add_argument("--method", choices=list(METHODS), default="auto",
                    help="default auto: the best drafter shipped for the target, else n-gram lookup")
     p.add_argument("--draft", default=None, help="draft model folder or .gguf (methods 'draft', 'xtok'); trained head folder (eagle, medusa)")
-    p.add_argument("--k", type=_k_value, default=4, help="draft tokens per round, or 'auto'")
+    p.add_argument("--k", type=_k_value, default=None,
+                   help="draft tokens per round, or 'auto' (default 4; with --method auto, what the drafter was measured with)")
     p.add_argument("--k-max", type=_positive_int, default=8, help="upper bound for --k auto")
     p.add_argument("--policy", choices=["fixed", "heuristic", "confidence", "auto"], default=None,
                    help="how k changes between rounds (default: fixed; auto with --k auto)")
-    p.add_argument("--confidence", type=float, default=0.5,
+    p.add_argument("--confidence", type=float, default=None,
                    help="--policy confidence: a draft/eagle/medusa chain stops before a token it gives less than this")
     p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
                    help="verify a tree of candidates per round (default: only for lookahead)")
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="plain vs speculative decoding on the embedded model")
     demo.add_argument("--max-new-tokens", type=_positive_int, default=160)
     demo.add_argument("--prompt", default=None, help="your own prompt instead of the built-in one")
-    demo.add_argument("--k", type=_positive_int, default=4)
+    demo.add_argument("--k", type=_positive_int, default=None, help="default: 4, or what the auto-chosen drafter was measured with")
     demo.add_argument("--method", choices=[m for m in METHODS if m != "none"], default="auto",
                       help="default auto: the best drafter shipped for the model, else n-gram lookup")
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

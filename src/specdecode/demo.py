@@ -38,7 +38,7 @@ def run_demo(args: argparse.Namespace) -> int:
     plain.generate("warm up", max_new_tokens=4)  # first-call allocations stay out of the timing
     prompt = args.prompt or DEMO_PROMPT
     runs = {"plain": plain.generate(prompt, max_new_tokens=args.max_new_tokens)}
-    runs[f"{spec.method} k={args.k}"] = spec.generate(prompt, max_new_tokens=args.max_new_tokens)
+    runs[f"{spec.method} k={spec.k}"] = spec.generate(prompt, max_new_tokens=args.max_new_tokens)
     for name, out in runs.items():
         console.rule(f"{name} output")
         console.print(out.text, markup=False, highlight=False)
