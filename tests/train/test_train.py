@@ -77,3 +77,34 @@ def test_data_sources_are_local_and_not_the_workload():
     if workload.exists():
         turns = {t for line in workload.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]}
         assert not turns & set(prompts)
+
+
+def test_unrolled_predictions_match_drafting_from_a_cache():
+    """Depth d at position i must see exactly what the drafting cache holds (training-time test)."""
+    from helpers import tiny_native
+    from specdecode.models.static_cache import StaticKVCache
+    from specdecode.train.eagle import EagleHead, HeadConfig, unrolled_predictions
+
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    torch.manual_seed(0)
+    head = EagleHead(HeadConfig.for_target(target, draft_vocab=6)).eval()
+    head.attach(target)
+    feats, tokens = torch.randn(2, 7, head.cfg.hidden), torch.randint(0, 6, (2, 7))
+    embeds = head.embed_tokens(tokens)
+    preds = unrolled_predictions(head, feats, embeds, 3)
+    for b in range(2):
+        for depth in (1, 2, 3):
+            for i in range(depth - 1, 7):
+                cache = StaticKVCache(1, head.cfg.kv_heads, head.cfg.head_dim, 16, torch.float32)
+                n_true = i - depth + 2  # the true entries 0..i-depth+1, then drafted ones up to i
+                x = head(feats[b : b + 1, :n_true], embeds[b : b + 1, :n_true], torch.arange(n_true),
+                         cache.keys[0], cache.values[0], cache.reserve(n_true))[:, -1:]
+                for pos in range(n_true, i + 1):
+                    x = head(x, embeds[b : b + 1, pos : pos + 1], torch.tensor([pos]), cache.keys[0], cache.values[0],
+                             cache.reserve(1))
+                torch.testing.assert_close(x[0, 0], preds[depth - 1][b, i], atol=1e-4, rtol=1e-4)
+
+
+def test_quick_training_with_unrolled_depths(tiny_dir, tmp_path):
+    card = train_eagle(tmp_path / "run", str(tiny_dir), quick=True, steps=6, progress=False, unroll=3)
+    assert card["unroll"] == 3 and "--unroll 3" in card["reproduce"]

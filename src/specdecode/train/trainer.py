@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specdecode.errors import ConfigError
 from specdecode.train import data as data_mod
 from specdecode.train.eagle import EagleHead, HeadConfig, head_loss, save_head
 
@@ -224,14 +225,19 @@ def train_eagle(
     max_minutes: float | None = None,
     chat_weight: float = 0.7,
     init_from: str | Path | None = None,
+    unroll: int = 1,
     **overrides,
 ) -> dict | None:
     """Train an EAGLE head for ``target`` (None: the default model) into ``out``; return its card.
 
     ``stop_at`` (a step) or ``max_minutes`` (of training) interrupt the run cleanly: a checkpoint
     is written and None returned; ``resume=True`` continues it later on the same schedule.
+    ``unroll`` > 1 also trains draft depths 2..unroll on the head's own predictions.
     """
     from specdecode.proposers.eagle import EagleProposer
+
+    if unroll < 1:
+        raise ConfigError(f"--unroll must be >= 1, got {unroll}")
 
     run = setup_run(out, target, steps, seed, quick, progress, overrides)
     opts, train, held, chat, target_model = run.opts, run.train, run.held, run.chat, run.target
@@ -254,7 +260,7 @@ def train_eagle(
     def step_loss(rng: random.Random) -> tuple[torch.Tensor, dict[str, float]]:
         source = mixed_source(rng, train, chat, chat_weight, opts["seq_len"])
         feats, tokens, valid = source.batch(rng, opts["batch"], opts["seq_len"])
-        loss, reg, ce, agree = head_loss(head, feats, tokens, scale, noise=0.05, valid=valid)
+        loss, reg, ce, agree = head_loss(head, feats, tokens, scale, noise=0.05, valid=valid, depth=unroll)
         return loss, {"reg": float(reg), "ce": float(ce), "top1": float(agree)}
 
     done = fit(head, step_loss, run.out / "checkpoint.pt", steps=total, lr=lr, seed=seed, resume=resume,
@@ -276,9 +282,10 @@ def train_eagle(
         how="EAGLE-1 style head (fc over [norm(feature), norm(embedding)] + one Llama layer initialised from the "
             "target's last layer), self-distilled: smooth-L1 on the target's pre-norm features + 0.1 x "
             "cross-entropy vs the target's own next-token distribution over the draft vocabulary",
-        extra_args=f" --init-from {Path(init_from).name}" if init_from else "",
+        extra_args=f" --unroll {unroll}" + (f" --init-from {Path(init_from).name}" if init_from else ""),
     )
     card["init_from"] = None if init_from is None else Path(init_from).name
+    card["unroll"] = unroll
     save_head(head, run.out, card)
     return json.loads((run.out / "card.json").read_text())
 
@@ -427,5 +434,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="specdecode train eagle", description="Train an EAGLE draft head by self-distillation.")
     common_arguments(p, lr=5e-4)
     p.add_argument("--init-from", default=None, help="warm start from an earlier head folder")
+    p.add_argument("--unroll", type=int, default=1, help="also train draft depths 2..N on the head's own predictions")
     args = p.parse_args(argv[1:])
-    return report(train_eagle(args.out, args.target, init_from=args.init_from, **common_options(args)), args.out)
+    return report(train_eagle(args.out, args.target, init_from=args.init_from, unroll=args.unroll,
+                              **common_options(args)), args.out)
