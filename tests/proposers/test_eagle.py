@@ -169,3 +169,21 @@ def test_cli_generate_with_shipped_eagle(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["stats"]["method"] == "eagle" and out["stats"]["new_tokens"] == 16
     assert main(argv[:-1] + ["--tree", "--temperature", "0.8", "--seed", "1"]) == 0
+
+
+def test_packed_drafting_matches_the_plain_head():
+    """The prepacked draft-step kernels against the plain float32 layer they copy."""
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    if target.weights.linear is torch.nn.functional.linear:
+        pytest.skip("this torch build has no oneDNN packing")
+    head = random_head(target, gain=3.0)
+    head.attach(target)
+    feats, embeds, positions = torch.randn(1, 5, head.cfg.hidden), torch.randn(1, 5, head.cfg.hidden), torch.arange(5)
+    with torch.no_grad():
+        plain = head(feats, embeds, positions), head.logits(feats)
+        head.pack_for_drafting(target)
+        fast = head(feats, embeds, positions), head.logits(feats)
+    for a, b in zip(plain, fast):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    head.train()
+    assert head._drafting() is None  # training drops the snapshot

@@ -56,6 +56,7 @@ class EagleProposer(TargetFeatures):
             self.card = {}
         head.attach(target)
         self.head = head.eval()
+        head.pack_for_drafting(target)
         self.target = target
         self.branch = branch
         self.confidence_threshold = confidence_threshold

@@ -23,7 +23,7 @@ from torch import nn
 
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models.rope import cos_sin, inv_freq
-from specdecode.train.layers import LayerParams, LayerShape, decoder_layer, output_rows
+from specdecode.train.layers import LayerParams, LayerShape, decoder_layer, output_rows, pack_matrix, packed
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class EagleHead(nn.Module):
         self.down = nn.Linear(cfg.intermediate, h, bias=False)
         # Full-vocabulary ids of the draft vocabulary's rows.
         self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab, dtype=torch.long))
+        self._packed: tuple | None = None  # prepacked copies for drafting (pack_for_drafting)
 
     # -- frozen pieces taken from the target ---------------------------------------------------
     def attach(self, target) -> None:
@@ -77,12 +78,35 @@ class EagleHead(nn.Module):
         self.out_rows = output_rows(target, self.vocab_ids)
         self.inv_freq = inv_freq(target.config.rope, self.cfg.head_dim)
 
+    def pack_for_drafting(self, target) -> None:
+        """Snapshot the head's matrices in the native target's prepacked layout (about 2x faster
+        draft steps); used under ``torch.no_grad`` until the head is put back in training mode."""
+        layer, lin = packed(target, self._layer())
+        if lin is F.linear:
+            return
+        self._packed = (pack_matrix(self.fc.weight), self.fc.bias.detach(), layer, lin, pack_matrix(self.out_rows))
+
+    def train(self, mode: bool = True) -> "EagleHead":
+        if mode:
+            self._packed = None  # the snapshot goes stale once training changes the weights
+        return super().train(mode)
+
+    def _drafting(self) -> tuple | None:
+        return None if torch.is_grad_enabled() else self._packed
+
+    def _layer(self) -> LayerParams:
+        return LayerParams(self.ln1, self.qkv.weight, self.o.weight, self.ln2, self.gate_up.weight, self.down.weight)
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed).float()
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., draft_vocab] of features [..., hidden]."""
-        return F.linear(F.rms_norm(feats.float(), (self.cfg.hidden,), self.norm_weight, self.cfg.eps), self.out_rows)
+        normed = F.rms_norm(feats.float(), (self.cfg.hidden,), self.norm_weight, self.cfg.eps)
+        fast = self._drafting()
+        if fast is None:
+            return F.linear(normed, self.out_rows)
+        return fast[3](normed.reshape(-1, normed.shape[-1]), fast[4], None).view(*normed.shape[:-1], -1)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cos_sin(self.inv_freq, positions.reshape(-1), torch.float32)
@@ -106,10 +130,14 @@ class EagleHead(nn.Module):
         """
         c = self.cfg
         eps, h = c.eps, c.hidden
-        x = self.fc(torch.cat([F.rms_norm(feats, (h,), self.feat_norm, eps), F.rms_norm(embeds, (h,), self.emb_norm, eps)], -1))
-        layer = LayerParams(self.ln1, self.qkv.weight, self.o.weight, self.ln2, self.gate_up.weight, self.down.weight)
+        x = torch.cat([F.rms_norm(feats, (h,), self.feat_norm, eps), F.rms_norm(embeds, (h,), self.emb_norm, eps)], -1)
         shape = LayerShape(h, c.heads, c.kv_heads, c.head_dim, c.intermediate, eps)
-        return decoder_layer(x, layer, shape, self.rope(positions), keys, values, start, mask)
+        fast = self._drafting()
+        if fast is None:
+            return decoder_layer(self.fc(x), self._layer(), shape, self.rope(positions), keys, values, start, mask)
+        fc_w, fc_b, layer, lin = fast[:4]
+        x = lin(x.reshape(-1, 2 * h), fc_w, fc_b).view(*x.shape[:-1], h)
+        return decoder_layer(x, layer, shape, self.rope(positions), keys, values, start, mask, lin)
 
     def init_from_target(self, target) -> None:
         """Start the layer from the target's last decoder layer (converges much faster)."""
