@@ -179,3 +179,21 @@ def test_shipped_heads_greedy_identity_on_real_model():
             accepted.append(out.stats["mean_accepted_length"])
     loaded.model.hidden_sink = None
     assert sum(accepted) / len(accepted) > 1.2  # trained heads, not random ones
+
+
+def test_packed_drafting_matches_the_plain_heads():
+    """The prepacked draft kernels against the plain float32 heads they copy."""
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    if target.weights.linear is torch.nn.functional.linear:
+        pytest.skip("this torch build has no oneDNN packing")
+    heads = random_heads(target, draft_vocab=5)
+    heads.attach(target)
+    feats = torch.randn(heads.cfg.hidden)
+    with torch.no_grad():
+        plain = [heads(feats, n) for n in (1, 3)]
+        heads.pack_for_drafting(target)
+        fast = [heads(feats, n) for n in (1, 3)]
+    for a, b in zip(plain, fast):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    heads.train()
+    assert heads._packed is None  # training drops the snapshot

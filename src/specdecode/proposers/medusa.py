@@ -55,6 +55,7 @@ class MedusaProposer(TargetFeatures):
             self.card = {}
         heads.attach(target)
         self.heads = heads.eval()
+        heads.pack_for_drafting(target)
         self.target = target
         self.branch = branch
         self.confidence_threshold = confidence_threshold

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import ConfigError
-from specdecode.train.layers import output_rows
+from specdecode.train.layers import output_rows, pack_matrix
 
 # Medusa-1's per-head loss weights decay as LOSS_DECAY ** i: far heads are less predictable.
 LOSS_DECAY = 0.8
@@ -54,6 +54,7 @@ class MedusaHeads(nn.Module):
         self.bias = nn.Parameter(torch.zeros(cfg.num_heads, h))
         # Full-vocabulary ids of the draft vocabulary's rows.
         self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab, dtype=torch.long))
+        self._packed: tuple | None = None  # prepacked copies for drafting (pack_for_drafting)
 
     def attach(self, target) -> None:
         """Bind the target's final norm and LM head rows (frozen, not parameters)."""
@@ -64,6 +65,21 @@ class MedusaHeads(nn.Module):
             )
         self.norm_weight = target.weights.norm.float()
         self.out_rows = output_rows(target, self.vocab_ids)
+
+    def pack_for_drafting(self, target) -> None:
+        """Snapshot the blocks (stacked into one matrix) and the head rows in the native target's
+        prepacked layout; used under ``torch.no_grad`` until the heads are put back in training mode."""
+        lin = target.weights.linear
+        if lin is F.linear:
+            return
+        h = self.cfg.hidden
+        stacked = self.weight.detach().reshape(self.cfg.num_heads * h, h)
+        self._packed = (lin, pack_matrix(stacked), self.bias.detach().reshape(-1), pack_matrix(self.out_rows))
+
+    def train(self, mode: bool = True) -> "MedusaHeads":
+        if mode:
+            self._packed = None  # the snapshot goes stale once training changes the weights
+        return super().train(mode)
 
     def normed(self, feats: torch.Tensor) -> torch.Tensor:
         """The target's final norm of pre-norm features [..., hidden]."""
@@ -77,6 +93,12 @@ class MedusaHeads(nn.Module):
         """Logits [..., heads, draft_vocab] of the first ``heads`` heads from pre-norm features [..., hidden]."""
         n = self.cfg.num_heads if heads is None else heads
         h = self.normed(feats)
+        if self._packed is not None and not torch.is_grad_enabled():
+            lin, w, b, out = self._packed
+            rows = h.reshape(-1, self.cfg.hidden)
+            blocks = lin(rows, w, b).view(rows.shape[0], self.cfg.num_heads, -1)[:, :n]
+            logits = lin((rows.unsqueeze(1) + F.silu(blocks)).reshape(-1, self.cfg.hidden), out, None)
+            return logits.view(*h.shape[:-1], n, -1)
         blocks = torch.einsum("...d,hed->...he", h, self.weight[:n]) + self.bias[:n]
         return F.linear(h.unsqueeze(-2) + F.silu(blocks), self.out_rows)
 
