@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
     sub.add_parser("bench-decode", help="plain decode speed vs transformers (see --help)", add_help=False)
+    sub.add_parser("record-drafters", help="write a bench run's drafter speedups into the shipped cards (see --help)",
+                   add_help=False)
     return parser
 
 
@@ -149,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         from specdecode.train import trainer
 
         return _guard(lambda: trainer.main(argv[1:]))
+    if argv[:1] == ["record-drafters"]:
+        from specdecode.bench import cards
+
+        return _guard(lambda: cards.main(argv[1:]))
     if argv[:1] == ["advise"]:
         from specdecode.bench import advise
 

@@ -466,7 +466,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "backend": getattr(target.model, "backend", opts.backend), "methods": opts.methods, "k": opts.ks,
             "temperatures": opts.temperatures, "max_new_tokens": opts.max_new_tokens,
             "prompts_per_category": opts.prompts_per_category, "seed": opts.seed, "hf_generate": opts.hf,
-            "quick": opts.quick, "fingerprint": fp,
+            "quick": opts.quick, "confidence": opts.confidence, "fingerprint": fp,
         },
         "cost_curve": {"context_tokens": COST_CONTEXT, "forward_s": {str(n): s for n, s in cost_curve.items()}},
         "prompts": [

@@ -1,0 +1,94 @@
+"""``specdecode record-drafters OUT``: write a bench run's measurements into the shipped drafters' cards.
+
+Each trained method's card gets a ``benchmark`` block from one side-by-side ``specdecode bench``
+run: its best greedy chain cell overall (the settings it ran with: k, and the confidence stop for
+``+conf`` cells), that cell's per-category figures, the best n-gram speedup of the same run, and
+the best tree cell. ``method="auto"`` reads these blocks (:func:`specdecode.api.best_method`) and
+runs the recorded settings, so what it picks is what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench.runner import CONF_SUFFIX, TREE_SUFFIX, base_method
+from specdecode.errors import InputError
+from specdecode.methods import TRAINED
+
+
+def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``benchmark`` block of every trained method measured greedily in ``results``."""
+    rows = [a for a in results["aggregates"] if a["temperature"] == 0]
+    overall = {a["cell"]: a for a in rows if a["category"] == "overall"}
+    ngram = max((a["speedup"] for a in overall.values() if a["method"] == "ngram"), default=None)
+    blocks = {}
+    for method in TRAINED:
+        chains = [a for a in overall.values() if base_method(a["method"]) == method and not a["method"].endswith(TREE_SUFFIX)]
+        if not chains:
+            continue
+        best = max(chains, key=lambda a: a["speedup"])
+        conf = best["method"].endswith(CONF_SUFFIX)
+        settings = {"k": best["k"]} | ({"policy": "confidence", "confidence": results["config"]["confidence"]} if conf else {})
+        per_cat = [a for a in rows if a["cell"] == best["cell"] and a["category"] != "overall"]
+        block = {
+            "speedup": round(best["speedup"], 3),
+            "mean_accepted_length": round(best["mean_accepted_length"], 3),
+            "ngram_speedup": None if ngram is None else round(ngram, 3),
+            "k": best["k"],
+            "settings": settings,
+            "cell": best["method"],
+            "decoding": f"greedy chain, native {results['config']['dtype']}; speedup vs plain decoding measured "
+                        "side by side in the same run",
+            "per_category_speedup": {a["category"]: round(a["speedup"], 3) for a in per_cat},
+            "per_category_mean_accepted_length": {a["category"]: round(a["mean_accepted_length"], 3) for a in per_cat},
+            "workload": f"{Path(results['config']['workload']).name}, {results['config']['prompts_per_category']} "
+                        f"prompts per category, {results['config']['max_new_tokens']} new tokens",
+            "command": shlex.join(results["command"]),
+        }
+        trees = [a for a in overall.values() if a["method"] == method + TREE_SUFFIX]
+        if trees:
+            tree = max(trees, key=lambda a: a["speedup"])
+            block["tree"] = {"speedup": round(tree["speedup"], 3), "mean_accepted_length": round(tree["mean_accepted_length"], 3),
+                             "k": tree["k"]}
+        blocks[method] = block
+    return blocks
+
+
+def record(results_path: str | Path, drafters_dir: str | Path | None = None) -> list[Path]:
+    """Update the cards of the drafters shipped for the run's target; the cards written."""
+    from specdecode.proposers import eagle as eagle_mod
+
+    path = Path(results_path)
+    path = path / "results.json" if path.is_dir() else path
+    if not path.exists():
+        raise InputError(f"no results.json at {results_path}")
+    try:
+        results = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: malformed JSON ({exc.msg}, line {exc.lineno})") from None
+    root = Path(drafters_dir) if drafters_dir else eagle_mod.DRAFTERS_DIR
+    folder = root / eagle_mod.drafter_name(results["config"]["target"])
+    written = []
+    for method, block in benchmark_blocks(results).items():
+        card_path = folder / method / "card.json"
+        if card_path.exists():
+            card = json.loads(card_path.read_text())
+            card["benchmark"] = block
+            card_path.write_text(json.dumps(card, indent=2) + "\n")
+            written.append(card_path)
+    return written
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="specdecode record-drafters",
+                                description="Record a bench run's drafter speedups in the shipped drafters' cards.")
+    p.add_argument("results", help="a bench output folder or its results.json")
+    p.add_argument("--drafters", default=None, help="drafters folder (default: the package's)")
+    args = p.parse_args(argv)
+    for card in record(args.results, args.drafters):
+        print(f"updated {card}")
+    return 0

@@ -1,0 +1,51 @@
+"""``specdecode record-drafters``: a bench run's drafter figures land in the shipped cards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdecode.bench.cards import benchmark_blocks, record
+from specdecode.cli import main
+from specdecode.errors import InputError
+
+
+def row(method: str, k, category: str, speedup: float, mal: float) -> dict:
+    return {"cell": f"{method}|k={k}|T=0", "method": method, "k": k, "temperature": 0.0, "category": category,
+            "speedup": speedup, "mean_accepted_length": mal}
+
+
+def results() -> dict:
+    rows = []
+    for method, k, speedups in [("none", 0, (1.0, 1.0)), ("ngram", 4, (1.2, 1.4)), ("eagle", 4, (0.9, 1.1)),
+                                ("eagle+conf", 4, (1.3, 1.1)), ("eagle+tree", 4, (0.8, 0.7)), ("medusa", 4, (0.95, 1.0))]:
+        rows += [row(method, k, "overall", speedups[0], 1.5), row(method, k, "qa", speedups[1], 1.6)]
+    return {"config": {"target": "/models/Tiny-Chat.Q4_1-abc", "workload": "/w/spec_bench.jsonl", "dtype": "float32",
+                       "prompts_per_category": 2, "max_new_tokens": 96, "confidence": 0.4},
+            "command": ["specdecode", "bench", "--methods", "none,ngram,eagle,eagle+conf"], "aggregates": rows}
+
+
+def test_best_chain_cell_and_its_settings_are_recorded():
+    blocks = benchmark_blocks(results())
+    assert set(blocks) == {"eagle", "medusa"}
+    eagle = blocks["eagle"]
+    assert eagle["speedup"] == 1.3 and eagle["cell"] == "eagle+conf" and eagle["ngram_speedup"] == 1.2
+    assert eagle["settings"] == {"k": 4, "policy": "confidence", "confidence": 0.4}
+    assert eagle["per_category_speedup"] == {"qa": 1.1} and eagle["tree"]["speedup"] == 0.8
+    assert blocks["medusa"]["settings"] == {"k": 4} and "tree" not in blocks["medusa"]
+
+
+def test_record_updates_only_existing_cards(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text(json.dumps(results()))
+    card = tmp_path / "drafters" / "tiny-chat" / "eagle" / "card.json"
+    card.parent.mkdir(parents=True)
+    card.write_text(json.dumps({"method": "eagle", "steps": 3}))
+    assert main(["record-drafters", str(tmp_path / "run"), "--drafters", str(tmp_path / "drafters")]) == 0
+    assert "updated" in capsys.readouterr().out
+    written = json.loads(card.read_text())
+    assert written["steps"] == 3 and written["benchmark"]["speedup"] == 1.3
+    assert not (tmp_path / "drafters" / "tiny-chat" / "medusa").exists()
+    with pytest.raises(InputError, match="no results.json"):
+        record(tmp_path / "nowhere")
