@@ -192,3 +192,14 @@ def proposer_pvalue(target, proposer, sampling: SamplingConfig, n: int, k: int =
     """Chi-square p-value of ``n`` speculative samples against the target's exact sequence law."""
     counts = sample_sequences(Decoder(target, proposer, k=k), CONFORMANCE_PROMPT, n_new, sampling, n)
     return chi_square_pvalue(counts, sequence_law(target, CONFORMANCE_PROMPT, n_new, sampling))
+
+
+def greedy_draft_lengths(make_proposer, thresholds, k: int = 6) -> list[int]:
+    """Greedy chain lengths drafted on a fixed context by ``make_proposer(threshold)`` per threshold."""
+    context = [1, 2, 3, 4, 1, 2]
+    lengths = []
+    for threshold in thresholds:
+        proposer = make_proposer(threshold)
+        proposer.reset(context)
+        lengths.append(proposer.propose(context, k, SamplingConfig(temperature=0.0), None).tokens.shape[1])
+    return lengths

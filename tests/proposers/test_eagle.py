@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import ALPHA, proposer_pvalue, tiny_native
+from helpers import ALPHA, greedy_draft_lengths, proposer_pvalue, tiny_native
 from specdecode.core.sampling import SamplingConfig, logits_to_probs
 from specdecode.engine import Decoder, GenerationConfig, TreeConfig
 from specdecode.proposers.eagle import DRAFTERS_DIR, EagleProposer
@@ -55,12 +55,8 @@ def test_confidence_stopped_chains_sample_exactly():
 
 def test_confidence_threshold_cuts_chains():
     target = tiny_native(vocab=6, seed=5, layers=3)
-    context, greedy = [1, 2, 3, 4, 1, 2], SamplingConfig(temperature=0.0)
-    lengths = []
-    for threshold in (0.0, 0.6, 0.999):
-        proposer = EagleProposer(target, head=random_head(target, gain=3.0), confidence_threshold=threshold)
-        proposer.reset(context)
-        lengths.append(proposer.propose(context, 6, greedy, None).tokens.shape[1])
+    head = random_head(target, gain=3.0)
+    lengths = greedy_draft_lengths(lambda t: EagleProposer(target, head=head, confidence_threshold=t), (0.0, 0.6, 0.999))
     assert lengths[0] == 6 and lengths[2] == 0 and lengths[0] >= lengths[1] >= lengths[2]
 
 

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from helpers import ALPHA, proposer_pvalue, tiny_native
+from helpers import ALPHA, greedy_draft_lengths, proposer_pvalue, tiny_native
 from specdecode.core.sampling import SamplingConfig, logits_to_probs
 from specdecode.engine import Decoder, GenerationConfig, TreeConfig
 from specdecode.errors import ConfigError
@@ -59,13 +59,8 @@ def test_confidence_stopped_chains_sample_exactly():
 
 def test_confidence_threshold_cuts_chains():
     target = tiny_native(vocab=6, seed=5, layers=3)
-    context, greedy = [1, 2, 3, 4, 1, 2], SamplingConfig(temperature=0.0)
     heads = random_heads(target, draft_vocab=5)
-    lengths = []
-    for threshold in (0.0, 0.5, 0.999):
-        proposer = MedusaProposer(target, heads=heads, confidence_threshold=threshold)
-        proposer.reset(context)
-        lengths.append(proposer.propose(context, 6, greedy, None).tokens.shape[1])
+    lengths = greedy_draft_lengths(lambda t: MedusaProposer(target, heads=heads, confidence_threshold=t), (0.0, 0.5, 0.999))
     assert lengths[0] == heads.cfg.num_heads and lengths[2] == 0 and lengths[0] >= lengths[1] >= lengths[2]
 
 
