@@ -38,7 +38,6 @@ def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "speedup": round(best["speedup"], 3),
             "mean_accepted_length": round(best["mean_accepted_length"], 3),
             "ngram_speedup": None if ngram is None else round(ngram, 3),
-            "k": best["k"],
             "settings": settings,
             "cell": best["method"],
             "decoding": f"greedy chain, native {results['config']['dtype']}; speedup vs plain decoding measured "

@@ -162,7 +162,7 @@ def user_turn_prefix(tokenizer) -> list[int] | None:
 
 
 def self_instruct_prompts(target, tokenizer, n: int, seed: int, eos: tuple[int, ...], batch: int = 48,
-                          max_tokens: int = 96, progress: bool = True) -> list[str]:
+                          max_tokens: int = 96) -> list[str]:
     """``n`` distinct user turns written by the target itself (Magpie, arXiv 2406.08464).
 
     The target continues its chat template's empty user turn, sampled at temperature 1 (top-p
@@ -261,7 +261,7 @@ def build_dataset(
     prompts = [chat_ids(tok, p) for p in instruction_prompts(n_generated, seed, task_share=task_share)]
     sequences = generate_responses(target, prompts, gen_tokens, batch, eos, progress) if prompts else []
     kinds = ["generated"] * len(sequences)
-    own = self_instruct_prompts(target, tok, n_self_instruct, seed + 2, eos, batch, progress=progress)
+    own = self_instruct_prompts(target, tok, n_self_instruct, seed + 2, eos, batch)
     if own:
         sequences += generate_responses(target, [chat_ids(tok, p) for p in own], gen_tokens, batch, eos, progress)
         kinds += ["self_instruct"] * len(own)

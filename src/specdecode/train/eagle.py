@@ -23,7 +23,8 @@ from torch import nn
 
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models.rope import cos_sin, inv_freq
-from specdecode.train.layers import LayerParams, LayerShape, decoder_layer, output_rows, pack_matrix, packed
+from specdecode.train.layers import (DraftingSnapshot, LayerParams, LayerShape, decoder_layer, output_rows,
+                                     pack_matrix, packed, rows_linear)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class HeadConfig:
                    c.rms_norm_eps, target.vocab_size, min(draft_vocab, target.vocab_size))
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftingSnapshot, nn.Module):
     config_class = HeadConfig
 
     def __init__(self, cfg: HeadConfig) -> None:
@@ -62,7 +63,6 @@ class EagleHead(nn.Module):
         self.down = nn.Linear(cfg.intermediate, h, bias=False)
         # Full-vocabulary ids of the draft vocabulary's rows.
         self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab, dtype=torch.long))
-        self._packed: tuple | None = None  # prepacked copies for drafting (pack_for_drafting)
 
     # -- frozen pieces taken from the target ---------------------------------------------------
     def attach(self, target) -> None:
@@ -86,14 +86,6 @@ class EagleHead(nn.Module):
             return
         self._packed = (pack_matrix(self.fc.weight), self.fc.bias.detach(), layer, lin, pack_matrix(self.out_rows))
 
-    def train(self, mode: bool = True) -> "EagleHead":
-        if mode:
-            self._packed = None  # the snapshot goes stale once training changes the weights
-        return super().train(mode)
-
-    def _drafting(self) -> tuple | None:
-        return None if torch.is_grad_enabled() else self._packed
-
     def _layer(self) -> LayerParams:
         return LayerParams(self.ln1, self.qkv.weight, self.o.weight, self.ln2, self.gate_up.weight, self.down.weight)
 
@@ -106,7 +98,7 @@ class EagleHead(nn.Module):
         fast = self._drafting()
         if fast is None:
             return F.linear(normed, self.out_rows)
-        return fast[3](normed.reshape(-1, normed.shape[-1]), fast[4], None).view(*normed.shape[:-1], -1)
+        return rows_linear(fast[3], normed, fast[4], None)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cos_sin(self.inv_freq, positions.reshape(-1), torch.float32)
@@ -136,7 +128,7 @@ class EagleHead(nn.Module):
         if fast is None:
             return decoder_layer(self.fc(x), self._layer(), shape, self.rope(positions), keys, values, start, mask)
         fc_w, fc_b, layer, lin = fast[:4]
-        x = lin(x.reshape(-1, 2 * h), fc_w, fc_b).view(*x.shape[:-1], h)
+        x = rows_linear(lin, x, fc_w, fc_b)
         return decoder_layer(x, layer, shape, self.rope(positions), keys, values, start, mask, lin)
 
     def init_from_target(self, target) -> None:

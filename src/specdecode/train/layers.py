@@ -66,7 +66,7 @@ def decoder_layer(
     """
     b, t, _ = x.shape
     hq, hkv, hd = s.heads, s.kv_heads, s.head_dim
-    qkv = _rows(linear, F.rms_norm(x, (s.hidden,), w.ln1, s.eps), w.wqkv, w.bqkv)
+    qkv = rows_linear(linear, F.rms_norm(x, (s.hidden,), w.ln1, s.eps), w.wqkv, w.bqkv)
     cos, sin = rope[0].view(1, t, 1, hd), rope[1].view(1, t, 1, hd)
     qk = rotate(qkv[..., : (hq + hkv) * hd].view(b, t, hq + hkv, hd), cos, sin)
     q = qk[:, :, :hq].transpose(1, 2)
@@ -84,12 +84,13 @@ def decoder_layer(
             q, keys[:, :, :end], values[:, :, :end],
             attn_mask=None if mask is None else mask.view(1, 1, t, end), enable_gqa=hkv != hq,
         )
-    x = x + _rows(linear, out.transpose(1, 2).reshape(b, t, hq * hd), w.wo, w.bo)
-    gate, up = _rows(linear, F.rms_norm(x, (s.hidden,), w.ln2, s.eps), w.wgu, w.bgu).split(s.intermediate, dim=-1)
-    return x + _rows(linear, F.silu(gate) * up, w.wd, w.bd)
+    x = x + rows_linear(linear, out.transpose(1, 2).reshape(b, t, hq * hd), w.wo, w.bo)
+    gate, up = rows_linear(linear, F.rms_norm(x, (s.hidden,), w.ln2, s.eps), w.wgu, w.bgu).split(s.intermediate, dim=-1)
+    return x + rows_linear(linear, F.silu(gate) * up, w.wd, w.bd)
 
 
-def _rows(linear, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def rows_linear(linear, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` over the last dimension of ``x`` [..., in]; a packed kernel takes 2-D rows only."""
     if linear is F.linear:
         return F.linear(x, w, b)
     return linear(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], -1)
@@ -105,6 +106,21 @@ def packed(target, w: LayerParams) -> tuple[LayerParams, object]:
     pack = lambda m: None if m is None else pack_matrix(m)  # noqa: E731
     return LayerParams(w.ln1.detach(), pack(w.wqkv), pack(w.wo), w.ln2.detach(), pack(w.wgu), pack(w.wd),
                        *(None if b is None else b.detach() for b in (w.bqkv, w.bo, w.bgu, w.bd))), lin
+
+
+class DraftingSnapshot:
+    """Mixin for a drafter module: ``_packed`` holds prepacked copies of its weights for drafting,
+    handed out by ``_drafting()`` only without autograd; ``train()`` drops them (they go stale)."""
+
+    _packed: tuple | None = None
+
+    def train(self, mode: bool = True):
+        if mode:
+            self._packed = None
+        return super().train(mode)
+
+    def _drafting(self) -> tuple | None:
+        return None if torch.is_grad_enabled() else self._packed
 
 
 def pack_matrix(m: torch.Tensor) -> torch.Tensor:

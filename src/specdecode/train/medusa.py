@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import ConfigError
-from specdecode.train.layers import output_rows, pack_matrix
+from specdecode.train.layers import DraftingSnapshot, output_rows, pack_matrix, rows_linear
 
 # Medusa-1's per-head loss weights decay as LOSS_DECAY ** i: far heads are less predictable.
 LOSS_DECAY = 0.8
@@ -40,7 +40,7 @@ class MedusaConfig:
         return cls(c.hidden_size, num_heads, c.rms_norm_eps, target.vocab_size, min(draft_vocab, target.vocab_size))
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftingSnapshot, nn.Module):
     config_class = MedusaConfig
 
     def __init__(self, cfg: MedusaConfig) -> None:
@@ -54,7 +54,6 @@ class MedusaHeads(nn.Module):
         self.bias = nn.Parameter(torch.zeros(cfg.num_heads, h))
         # Full-vocabulary ids of the draft vocabulary's rows.
         self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab, dtype=torch.long))
-        self._packed: tuple | None = None  # prepacked copies for drafting (pack_for_drafting)
 
     def attach(self, target) -> None:
         """Bind the target's final norm and LM head rows (frozen, not parameters)."""
@@ -76,11 +75,6 @@ class MedusaHeads(nn.Module):
         stacked = self.weight.detach().reshape(self.cfg.num_heads * h, h)
         self._packed = (lin, pack_matrix(stacked), self.bias.detach().reshape(-1), pack_matrix(self.out_rows))
 
-    def train(self, mode: bool = True) -> "MedusaHeads":
-        if mode:
-            self._packed = None  # the snapshot goes stale once training changes the weights
-        return super().train(mode)
-
     def normed(self, feats: torch.Tensor) -> torch.Tensor:
         """The target's final norm of pre-norm features [..., hidden]."""
         return F.rms_norm(feats.float(), (self.cfg.hidden,), self.norm_weight, self.cfg.eps)
@@ -93,12 +87,11 @@ class MedusaHeads(nn.Module):
         """Logits [..., heads, draft_vocab] of the first ``heads`` heads from pre-norm features [..., hidden]."""
         n = self.cfg.num_heads if heads is None else heads
         h = self.normed(feats)
-        if self._packed is not None and not torch.is_grad_enabled():
-            lin, w, b, out = self._packed
-            rows = h.reshape(-1, self.cfg.hidden)
-            blocks = lin(rows, w, b).view(rows.shape[0], self.cfg.num_heads, -1)[:, :n]
-            logits = lin((rows.unsqueeze(1) + F.silu(blocks)).reshape(-1, self.cfg.hidden), out, None)
-            return logits.view(*h.shape[:-1], n, -1)
+        fast = self._drafting()
+        if fast is not None:
+            lin, w, b, out = fast
+            blocks = rows_linear(lin, h, w, b).unflatten(-1, (self.cfg.num_heads, -1))[..., :n, :]
+            return rows_linear(lin, h.unsqueeze(-2) + F.silu(blocks), out, None)
         blocks = torch.einsum("...d,hed->...he", h, self.weight[:n]) + self.bias[:n]
         return F.linear(h.unsqueeze(-2) + F.silu(blocks), self.out_rows)
 

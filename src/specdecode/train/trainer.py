@@ -99,7 +99,7 @@ def prepare_data(out: Path, model_dir: Path, opts: dict, seed: int, progress: bo
         data_mod.build_dataset(
             model_dir, data_path, n_generated=opts["n_generated"], gen_tokens=opts["gen_tokens"],
             n_chunks=opts["n_chunks"], chunk_chars=opts["chunk_chars"], task_share=opts["task_share"],
-            n_self_instruct=opts.get("n_self_instruct", 0),
+            n_self_instruct=opts["n_self_instruct"],
             seed=seed if opts.get("data_seed") is None else opts["data_seed"], progress=progress,
         )
     data_seconds = time.perf_counter() - t0
@@ -303,7 +303,7 @@ def common_card(
     from specdecode.proposers.eagle import drafter_name
 
     o = run.opts
-    data_args = (f" --generated {o['n_generated']} --self-instruct {o.get('n_self_instruct', 0)} --chunks {o['n_chunks']}"
+    data_args = (f" --generated {o['n_generated']} --self-instruct {o['n_self_instruct']} --chunks {o['n_chunks']}"
                  f" --task-share {o['task_share']}")
     if o.get("data_seed") is not None:
         data_args += f" --data-seed {o['data_seed']}"
