@@ -80,3 +80,30 @@ def test_auto_runs_the_settings_the_card_was_measured_with(drafters, monkeypatch
     seen.clear()
     api.SpeculativeGenerator(loaded, method="eagle")  # asked for by name: the plain defaults
     assert seen == {"method": "eagle", "k": 4, "policy": "fixed"}
+
+
+def test_auto_runs_the_hybrid_with_the_drafter_it_was_measured_with(drafters, monkeypatch):
+    from specdecode import api
+
+    ship(drafters, "medusa", 1.1)
+    ship(drafters, "eagle", 1.05)
+    ship(drafters, "hybrid", 1.3, ngram=1.25)
+    card = drafters / "tiny-chat" / "hybrid" / "card.json"
+    data = json.loads(card.read_text())
+    data["benchmark"]["settings"] = {"k": 4, "policy": "confidence", "confidence": 0.3, "drafter": "eagle"}
+    card.write_text(json.dumps(data))
+    assert best_method(TARGET) == "hybrid" and set(shipped_drafters(TARGET)) == {"medusa", "eagle"}
+    assert api.best_drafter(TARGET) == "eagle"  # what the hybrid was measured with, not the best alone
+    seen = {}
+    monkeypatch.setattr(api, "make_proposer", lambda method, target, draft, **o: seen.update(o, method=method) or object())
+    monkeypatch.setattr(api, "Decoder", lambda model, proposer, k, **o: seen.update(k=k, policy=o["policy"].name))
+    api.SpeculativeGenerator(api.LoadedModel(model=None, tokenizer=None, source=TARGET.source))
+    assert seen == {"method": "hybrid", "drafter": "eagle", "confidence_threshold": 0.3, "k": 4, "policy": "confidence"}
+
+
+def test_hybrid_without_a_trained_drafter_is_refused(drafters):
+    from specdecode import api
+    from specdecode.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs a trained drafter"):
+        api.best_drafter(TARGET)

@@ -10,20 +10,21 @@ from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, GenerationConfig, GenerationResult, TreeConfig
 from specdecode.engine.policy import make_policy
 from specdecode.errors import ConfigError, InputError
-from specdecode.methods import CONFIDENCE_METHODS, FALLBACK, METHODS, TRAINED, TREE_ONLY
+from specdecode.methods import COMPOSED, CONFIDENCE_METHODS, FALLBACK, METHODS, TRAINED, TREE_ONLY
 from specdecode.models.loading import LoadedModel, check_compatible, load_model
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.proposers.base import Proposer
 
 
-def shipped_drafters(target: LoadedModel) -> dict[str, dict]:
-    """Cards of the drafters shipped for ``target``, by method (empty for targets without any)."""
+def shipped_drafters(target: LoadedModel, methods: tuple[str, ...] = TRAINED) -> dict[str, dict]:
+    """Cards shipped for ``target``, by method (trained drafters by default; ``COMPOSED`` methods
+    such as the hybrid ship a card of measurements only); empty for targets without any."""
     import json
 
     from specdecode.proposers.eagle import shipped_head_dir
 
     cards = {}
-    for method in TRAINED:
+    for method in methods:
         card = shipped_head_dir(target.source, method) / "card.json"
         if card.exists():
             cards[method] = json.loads(card.read_text())
@@ -31,10 +32,11 @@ def shipped_drafters(target: LoadedModel) -> dict[str, dict]:
 
 
 def best_method(target: LoadedModel) -> str:
-    """What ``method="auto"`` runs: the shipped drafter whose card records the best measured
-    speedup, if it beat both plain decoding and n-gram lookup in that same run; else n-gram."""
+    """What ``method="auto"`` runs: the shipped drafter (or composed method, e.g. the hybrid) whose
+    card records the best measured speedup, if it beat both plain decoding and n-gram lookup in that
+    same run; else n-gram."""
     best, best_speedup = FALLBACK, 1.0
-    for method, card in shipped_drafters(target).items():
+    for method, card in shipped_drafters(target, TRAINED + COMPOSED).items():
         bench = card.get("benchmark") or {}
         speedup = float(bench.get("speedup", 0.0))
         if speedup > max(best_speedup, float(bench.get("ngram_speedup", 1.0))):
@@ -42,12 +44,25 @@ def best_method(target: LoadedModel) -> str:
     return best
 
 
+def best_drafter(target: LoadedModel) -> str:
+    """The hybrid's default second source: the trained drafter its shipped card was measured with,
+    else the shipped one whose card records the best speedup; ConfigError when there is none."""
+    measured = benchmarked_settings(target, "hybrid").get("drafter")
+    cards = shipped_drafters(target)
+    if measured in cards:
+        return measured
+    if not cards:
+        raise ConfigError("method 'hybrid' needs a trained drafter; none is shipped for this target "
+                          "(train one with: specdecode train eagle --out DIR, then --drafter eagle --draft DIR)")
+    return max(cards, key=lambda m: float((cards[m].get("benchmark") or {}).get("speedup", 0.0)))
+
+
 def benchmarked_settings(target: LoadedModel, method: str) -> dict[str, Any]:
-    """The settings (k, policy, confidence) a shipped drafter's card says its speedup was measured
-    with, so that ``method="auto"`` runs what was measured; empty for anything else."""
-    card = shipped_drafters(target).get(method) or {}
+    """The settings (k, policy, confidence; the hybrid's drafter) a shipped card says its speedup was
+    measured with, so that ``method="auto"`` runs what was measured; empty for anything else."""
+    card = shipped_drafters(target, TRAINED + COMPOSED).get(method) or {}
     settings = (card.get("benchmark") or {}).get("settings") or {}
-    return {key: settings[key] for key in ("k", "policy", "confidence") if key in settings}
+    return {key: settings[key] for key in ("k", "policy", "confidence", "drafter") if key in settings}
 
 
 def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | None = None, **options: Any) -> Proposer | None:
@@ -94,6 +109,14 @@ def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | N
         from specdecode.proposers.medusa import MedusaProposer
 
         return MedusaProposer(target.model, path=_trained_dir("medusa", target, draft, options), **options)
+    if method == "hybrid":  # prompt lookup where the context repeats, else a trained drafter
+        from specdecode.proposers.hybrid import HybridProposer
+
+        lookup = {key: options.pop(key) for key in ("min_match", "max_ngram") if key in options}
+        inner = options.pop("drafter", None) or best_drafter(target)
+        if inner not in TRAINED:
+            raise ConfigError(f"hybrid drafter must be one of {', '.join(TRAINED)}, got {inner!r}")
+        return HybridProposer(make_proposer(inner, target, draft, **options), **lookup)
     if method == "lookahead":
         from specdecode.proposers.lookahead import LookaheadProposer
 
@@ -157,6 +180,8 @@ class SpeculativeGenerator:
         self.k = k = measured.get("k", 4) if k is None else k  # int, or "auto"
         policy = policy or measured.get("policy")
         confidence = measured.get("confidence", 0.5) if confidence is None else confidence
+        if "drafter" in measured:
+            proposer_options.setdefault("drafter", measured["drafter"])
         if k == "auto":
             policy, k = "auto", k_max
         policy = policy or "fixed"

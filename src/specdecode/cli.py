@@ -56,10 +56,12 @@ def _generate_parser(sub: Any) -> None:
     p.add_argument("--policy", choices=["fixed", "heuristic", "confidence", "auto"], default=None,
                    help="how k changes between rounds (default: fixed; auto with --k auto)")
     p.add_argument("--confidence", type=float, default=None,
-                   help="--policy confidence: a draft/eagle/medusa chain stops before a token it gives less than this")
+                   help="--policy confidence: a draft/eagle/medusa/hybrid chain stops before a token it gives less than this")
     p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
                    help="verify a tree of candidates per round (default: only for lookahead)")
     p.add_argument("--max-nodes", type=_positive_int, default=16, help="tree node budget per round")
+    p.add_argument("--drafter", choices=["eagle", "medusa", "draft"], default=None,
+                   help="hybrid: the trained drafter for rounds prompt lookup cannot serve (default: best shipped)")
     p.add_argument("--exit-layers", type=_positive_int, default=None,
                    help="early-exit: target layers the draft runs (default: measured best)")
     p.add_argument("--shadow", action="store_true",
@@ -112,6 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         target, method=args.method, k=args.k, k_max=args.k_max, draft=args.draft,
         policy=args.policy, confidence=args.confidence, shadow=args.shadow, tree=args.tree, max_nodes=args.max_nodes,
         **({"layers": args.exit_layers} if args.exit_layers and args.method == "early-exit" else {}),
+        **({"drafter": args.drafter} if args.drafter else {}),
     )
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,

@@ -197,7 +197,7 @@ def test_advise_without_results_is_a_clear_error(tmp_path):
         ('{"category": "x"}\n', [], "line 1: needs a 'prompt' string or a 'turns' list"),
         ('{"prompt": "a", "category": "x"}\n', ["--methods", "none,bogus"], "unknown method 'bogus'"),
         ('{"prompt": "a", "category": "x"}\n', ["--methods", "xtok"], "needs a draft model"),
-        ('{"prompt": "a", "category": "x"}\n', ["--methods", "ngram+conf"], "only draft, eagle, medusa chains"),
+        ('{"prompt": "a", "category": "x"}\n', ["--methods", "ngram+conf"], "only draft, eagle, medusa, hybrid chains"),
         ('{"prompt": "a", "category": "x"}\n', ["--methods", "none+conf"], "unknown method 'none+conf'"),
         ('{"prompt": "a", "category": "x"}\n', ["--k", "2,zero"], "--k: expected integers"),
     ],

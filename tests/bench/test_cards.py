@@ -49,3 +49,16 @@ def test_record_updates_only_existing_cards(tmp_path, capsys):
     assert not (tmp_path / "drafters" / "tiny-chat" / "medusa").exists()
     with pytest.raises(InputError, match="no results.json"):
         record(tmp_path / "nowhere")
+
+
+def test_hybrid_gets_a_card_of_its_own_with_the_drafter_it_ran(tmp_path):
+    run = results()
+    run["aggregates"] += [row("hybrid+conf", 4, "overall", 1.35, 1.7), row("hybrid+conf", 4, "qa", 1.5, 1.9)]
+    run["config"]["hybrid_drafter"] = "medusa"
+    assert benchmark_blocks(run)["hybrid"]["settings"] == {"k": 4, "policy": "confidence", "confidence": 0.4,
+                                                            "drafter": "medusa"}
+    (tmp_path / "results.json").write_text(json.dumps(run))
+    written = record(tmp_path / "results.json", tmp_path / "drafters")
+    card = json.loads((tmp_path / "drafters" / "tiny-chat" / "hybrid" / "card.json").read_text())
+    assert written == [tmp_path / "drafters" / "tiny-chat" / "hybrid" / "card.json"]  # trained cards must exist first
+    assert card["method"] == "hybrid" and "lookup" in card["how"] and card["benchmark"]["speedup"] == 1.35

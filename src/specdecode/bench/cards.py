@@ -4,7 +4,8 @@ Each trained method's card gets a ``benchmark`` block from one side-by-side ``sp
 run: its best greedy chain cell overall (the settings it ran with: k, and the confidence stop for
 ``+conf`` cells), that cell's per-category figures, the best n-gram speedup of the same run, and
 the best tree cell. ``method="auto"`` reads these blocks (:func:`specdecode.api.best_method`) and
-runs the recorded settings, so what it picks is what was measured.
+runs the recorded settings, so what it picks is what was measured. The hybrid (prompt lookup,
+else a trained drafter) has no weights; its card is only this block, with the drafter it ran.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from typing import Any
 
 from specdecode.bench.runner import CONF_SUFFIX, TREE_SUFFIX, base_method
 from specdecode.errors import InputError
-from specdecode.methods import TRAINED
+from specdecode.methods import COMPOSED, TRAINED
+
+
+COMPOSED_HOW = {
+    "hybrid": "prompt lookup when the context's last 2+ tokens occurred before; else the trained drafter "
+              "(settings.drafter) with its confidence stop; a 1-token match when that drafter is unsure",
+}
 
 
 def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -26,13 +33,15 @@ def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     overall = {a["cell"]: a for a in rows if a["category"] == "overall"}
     ngram = max((a["speedup"] for a in overall.values() if a["method"] == "ngram"), default=None)
     blocks = {}
-    for method in TRAINED:
+    for method in TRAINED + COMPOSED:
         chains = [a for a in overall.values() if base_method(a["method"]) == method and not a["method"].endswith(TREE_SUFFIX)]
         if not chains:
             continue
         best = max(chains, key=lambda a: a["speedup"])
         conf = best["method"].endswith(CONF_SUFFIX)
         settings = {"k": best["k"]} | ({"policy": "confidence", "confidence": results["config"]["confidence"]} if conf else {})
+        if method in COMPOSED:
+            settings["drafter"] = results["config"].get("hybrid_drafter")
         per_cat = [a for a in rows if a["cell"] == best["cell"] and a["category"] != "overall"]
         block = {
             "speedup": round(best["speedup"], 3),
@@ -76,9 +85,14 @@ def record(results_path: str | Path, drafters_dir: str | Path | None = None) -> 
         card_path = folder / method / "card.json"
         if card_path.exists():
             card = json.loads(card_path.read_text())
-            card["benchmark"] = block
-            card_path.write_text(json.dumps(card, indent=2) + "\n")
-            written.append(card_path)
+        elif method in COMPOSED:  # nothing to train: the card is just the measurement
+            card = {"method": method, "how": COMPOSED_HOW[method]}
+            card_path.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            continue
+        card["benchmark"] = block
+        card_path.write_text(json.dumps(card, indent=2) + "\n")
+        written.append(card_path)
     return written
 
 

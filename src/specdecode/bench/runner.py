@@ -308,10 +308,12 @@ def hf_generate(model: Any, ids: list[int], max_new_tokens: int, temperature: fl
 
 
 # -- the store ---------------------------------------------------------------------------------
-def fingerprint(opts: Options, target_source: str, draft_source: str | None) -> str:
+def fingerprint(opts: Options, target_source: str, draft_source: str | None, hybrid_drafter: str | None = None) -> str:
     """Settings a stored result depends on besides its cell and prompt."""
     spec = {"target": target_source, "draft": draft_source,
             "dtype": opts.dtype, "backend": opts.backend, "max_new_tokens": opts.max_new_tokens, "seed": opts.seed}
+    if hybrid_drafter:
+        spec["hybrid_drafter"] = hybrid_drafter
     if any(m.endswith(CONF_SUFFIX) for m in opts.methods):
         spec["confidence"] = opts.confidence
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
@@ -382,8 +384,6 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
     target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
     needs_draft = any(base_method(m) in ("draft", "xtok") for m in opts.methods)
     draft = load_model(opts.draft, dtype=opts.dtype) if needs_draft and opts.draft else None
-    fp = fingerprint(opts, target.source, draft.source if draft else None)
-
     cells, skipped_cells, gens = [], [], {}
     for cell in plan_cells(opts):
         if cell.method == "hf":
@@ -407,6 +407,9 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         cells.append(cell)
     for s in skipped_cells:
         console.print(f"[yellow]skipping {s['key']}: {s['reason']}[/yellow]")
+    hybrid = next((g.decoder.proposer.drafter.name for (m, _), g in gens.items()
+                   if base_method(m) == "hybrid" and not isinstance(g, Exception)), None)
+    fp = fingerprint(opts, target.source, draft.source if draft else None, hybrid)
     hf_model = _hf_model(target, opts.dtype) if any(c.method == "hf" for c in cells) else None
 
     plain = gens[("none", 0)]
@@ -466,7 +469,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "backend": getattr(target.model, "backend", opts.backend), "methods": opts.methods, "k": opts.ks,
             "temperatures": opts.temperatures, "max_new_tokens": opts.max_new_tokens,
             "prompts_per_category": opts.prompts_per_category, "seed": opts.seed, "hf_generate": opts.hf,
-            "quick": opts.quick, "confidence": opts.confidence, "fingerprint": fp,
+            "quick": opts.quick, "confidence": opts.confidence, "hybrid_drafter": hybrid, "fingerprint": fp,
         },
         "cost_curve": {"context_tokens": COST_CONTEXT, "forward_s": {str(n): s for n, s in cost_curve.items()}},
         "prompts": [

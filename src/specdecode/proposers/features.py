@@ -37,6 +37,10 @@ class TargetFeatures:
         self._records.append((ids, positions, mask, hidden))
         del self._records[:-4]  # at most one prefill and a few rounds are ever pending
 
+    def keep_up(self, context: list[int]) -> None:
+        """Absorb the target's latest forwards on a round someone else drafted (no compute)."""
+        self._absorb(context)
+
     def _features_upto(self, context: list[int], needed: int) -> None:
         """Make ``feats[:needed]`` the target's features of ``context[:needed]``."""
         self._absorb(context)

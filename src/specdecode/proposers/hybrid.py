@@ -1,0 +1,64 @@
+"""Lookup first, trained drafter second: prompt lookup where the context repeats itself, else a
+trained drafter (EAGLE, Medusa or the distilled draft model).
+
+Prompt lookup costs nothing to draft and is accepted often where the answer copies the prompt
+(translation, rewriting, code edits), but it has nothing good to offer elsewhere; a trained
+drafter costs a little per token and guesses everywhere. Each round takes the lookup when the
+context's tail (at least ``min_match`` tokens) occurred before, and asks the drafter otherwise;
+when the drafter drafts nothing (its confidence stop), a shorter match is tried last.
+
+Exactness: which proposer drafts depends on the committed context alone, and each reports
+exactly its own q (one-hot for lookup), so the one verifier keeps the target's distribution.
+A feature-reading drafter still absorbs the target's forwards on lookup rounds (``keep_up``), so
+it never recomputes features it missed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.core.sampling import SamplingConfig
+from specdecode.core.verify import Draft
+from specdecode.errors import ConfigError
+from specdecode.proposers.base import Proposer
+from specdecode.proposers.ngram import lookup
+
+
+class HybridProposer:
+    name = "hybrid"
+
+    def __init__(self, drafter: Proposer, min_match: int = 2, max_ngram: int = 3) -> None:
+        """``min_match``: the shortest context tail whose earlier occurrence makes a lookup round;
+        shorter matches are used only when the drafter drafts nothing (its confidence stop)."""
+        if not 1 <= min_match <= max_ngram:
+            raise ConfigError(f"need 1 <= min_match <= max_ngram, got {min_match}, {max_ngram}")
+        self.drafter, self.min_match, self.max_ngram = drafter, min_match, max_ngram
+        self.rounds = {"lookup": 0, "drafter": 0, "short": 0}  # which source drafted, over the proposer's life
+        self._source = "drafter"
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.drafter.reset(prompt_ids)
+
+    def propose(
+        self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Draft:
+        source, found = "lookup", lookup(context, k, self.max_ngram, self.min_match) if k > 0 else []
+        if not found:
+            draft = self.drafter.propose(context, k, sampling, generator)
+            short = [] if draft.tokens.shape[1] or self.min_match == 1 else lookup(context, k, self.min_match - 1)
+            if not short:
+                return self._count("drafter", draft)
+            source, found = "short", short
+        keep_up = getattr(self.drafter, "keep_up", None)
+        if keep_up is not None:
+            keep_up(context)
+        return self._count(source, Draft(tokens=torch.tensor([found], dtype=torch.long)))
+
+    def _count(self, source: str, draft: Draft) -> Draft:
+        self._source = source
+        self.rounds[source] += 1
+        return draft
+
+    def observe(self, num_accepted: int) -> None:
+        if self._source == "drafter":
+            self.drafter.observe(num_accepted)

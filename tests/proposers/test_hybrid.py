@@ -1,0 +1,123 @@
+"""Hybrid proposer (prompt lookup, else a trained drafter): exact sampling with every source in play,
+a mis-reported q caught, greedy identity, no missed features, and the shipped configuration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import ALPHA, proposer_pvalue, tiny_native
+from specdecode.core.sampling import SamplingConfig
+from specdecode.core.verify import Draft
+from specdecode.engine import Decoder, GenerationConfig, TreeConfig
+from specdecode.errors import ConfigError
+from specdecode.proposers.eagle import EagleProposer
+from specdecode.proposers.hybrid import HybridProposer
+from specdecode.proposers.medusa import MedusaProposer
+
+from test_eagle import random_head
+from test_medusa import random_heads
+
+N_SAMPLES = 5_000  # chi-square at ALPHA over the 625 4-token continuations; the broken variant gets p ~ 0
+SAMPLING = SamplingConfig(temperature=1.0, top_k=4)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is fastest
+
+
+def hybrid(target, kind: str, threshold: float = 0.0, cls=HybridProposer) -> HybridProposer:
+    if kind == "eagle":
+        drafter = EagleProposer(target, head=random_head(target, gain=3.0), confidence_threshold=threshold)
+    else:
+        drafter = MedusaProposer(target, heads=random_heads(target, draft_vocab=4), confidence_threshold=threshold)
+    return cls(drafter)
+
+
+class UniformQOnLookups(HybridProposer):
+    """Broken: lookup tokens go out with a uniform q, as if drawn at random, instead of one-hot."""
+
+    def propose(self, context, k, sampling, generator):
+        draft = super().propose(context, k, sampling, generator)
+        if self._source == "drafter" or draft.k == 0:
+            return draft
+        vocab = self.drafter.target.vocab_size
+        return Draft(tokens=draft.tokens, probs=torch.full((1, draft.k, vocab), 1.0 / vocab))
+
+
+def test_hybrid_sampling_is_exact_with_every_source():
+    target = tiny_native(vocab=5, seed=0)
+    proposer = hybrid(target, "eagle", threshold=0.6)  # unsure often enough for short-match rounds
+    assert proposer_pvalue(target, proposer, SAMPLING, N_SAMPLES, n_new=4) > ALPHA
+    assert min(proposer.rounds.values()) > 200, proposer.rounds  # lookup, drafter and short matches all drafted
+
+
+def test_a_wrong_q_on_lookup_tokens_is_caught():
+    target = tiny_native(vocab=5, seed=0)
+    proposer = hybrid(target, "eagle", threshold=0.6, cls=UniformQOnLookups)
+    assert proposer_pvalue(target, proposer, SAMPLING, N_SAMPLES, n_new=4) < ALPHA
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_identity(kind, k):
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    cfg = GenerationConfig(max_new_tokens=30)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2]
+    expected = Decoder(target, None).generate(prompt, cfg).token_ids
+    for threshold in (0.0, 0.4):
+        proposer = hybrid(target, kind, threshold)
+        assert Decoder(target, proposer, k=k).generate(prompt, cfg).token_ids == expected
+        assert proposer.rounds["lookup"] and proposer.rounds["drafter"]
+
+
+def test_lookup_rounds_keep_the_drafter_s_features_without_recomputing():
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    proposer = hybrid(target, "eagle")
+    fills = []
+    proposer.drafter._fill = lambda context, needed: fills.append(needed)
+    Decoder(target, proposer, k=3).generate([1, 2, 3, 4, 1, 2, 3, 0, 1, 2] * 3, GenerationConfig(max_new_tokens=40))
+    assert proposer.rounds["lookup"] >= 5 and fills == []
+
+
+def test_bad_settings_and_trees_are_refused():
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    with pytest.raises(ConfigError, match="min_match"):
+        HybridProposer(hybrid(target, "medusa").drafter, min_match=4, max_ngram=3)
+    with pytest.raises(ConfigError, match="cannot draft trees"):
+        Decoder(target, hybrid(target, "medusa"), k=2, tree=TreeConfig(max_nodes=4))
+
+
+# -- the shipped configuration -------------------------------------------------------------------
+
+
+def test_hybrid_method_names_its_drafter():
+    from real_model import default_target
+    from specdecode.api import make_proposer
+
+    loaded = default_target("native")
+    try:
+        assert make_proposer("hybrid", loaded, drafter="eagle").drafter.name == "eagle"
+        assert make_proposer("hybrid", loaded).drafter.name in ("eagle", "medusa", "draft")
+        with pytest.raises(ConfigError, match="hybrid drafter must be one of"):
+            make_proposer("hybrid", loaded, drafter="ngram")
+    finally:
+        loaded.model.hidden_sink = None
+
+
+@pytest.mark.slow
+def test_shipped_hybrid_greedy_identity_on_real_model():
+    from real_model import PROMPTS, chat_ids, default_target
+    from specdecode.api import make_proposer
+
+    loaded = default_target("native")
+    cfg = GenerationConfig(max_new_tokens=32)
+    try:
+        for drafter in ("eagle", "medusa"):
+            proposer = make_proposer("hybrid", loaded, drafter=drafter, confidence_threshold=0.3)
+            for prompt in (PROMPTS[4], PROMPTS[6], PROMPTS[9]):
+                ids = chat_ids(loaded, prompt)
+                expected = Decoder(loaded.model, None, eos_token_ids=loaded.eos_token_ids).generate(ids, cfg).token_ids
+                out = Decoder(loaded.model, proposer, k=4, eos_token_ids=loaded.eos_token_ids).generate(ids, cfg)
+                assert out.token_ids == expected, (drafter, prompt)
+            assert proposer.rounds["lookup"] and proposer.rounds["drafter"], proposer.rounds
+    finally:
+        loaded.model.hidden_sink = None
