@@ -62,3 +62,14 @@ def test_hybrid_gets_a_card_of_its_own_with_the_drafter_it_ran(tmp_path):
     card = json.loads((tmp_path / "drafters" / "tiny-chat" / "hybrid" / "card.json").read_text())
     assert written == [tmp_path / "drafters" / "tiny-chat" / "hybrid" / "card.json"]  # trained cards must exist first
     assert card["method"] == "hybrid" and "lookup" in card["how"] and card["benchmark"]["speedup"] == 1.35
+
+
+def test_record_can_leave_other_cards_alone(tmp_path, capsys):
+    (tmp_path / "results.json").write_text(json.dumps(results()))
+    card = tmp_path / "drafters" / "tiny-chat" / "eagle" / "card.json"
+    card.parent.mkdir(parents=True)
+    card.write_text(json.dumps({"method": "eagle"}))
+    args = ["record-drafters", str(tmp_path), "--drafters", str(tmp_path / "drafters"), "--methods"]
+    assert main(args + ["medusa"]) == 0 and "benchmark" not in json.loads(card.read_text())
+    assert main(args + ["eagle"]) == 0 and "benchmark" in json.loads(card.read_text())
+    assert main(args + ["ngram"]) == 2 and "unknown ngram" in capsys.readouterr().err

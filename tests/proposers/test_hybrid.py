@@ -121,3 +121,15 @@ def test_shipped_hybrid_greedy_identity_on_real_model():
             assert proposer.rounds["lookup"] and proposer.rounds["drafter"], proposer.rounds
     finally:
         loaded.model.hidden_sink = None
+
+
+def test_shipped_hybrid_card_names_a_shipped_drafter():
+    import json
+
+    from specdecode.proposers.eagle import DRAFTERS_DIR
+
+    folder = DRAFTERS_DIR / "smollm2-135m-instruct"
+    card = json.loads((folder / "hybrid" / "card.json").read_text())
+    settings = card["benchmark"]["settings"]
+    assert card["method"] == "hybrid" and settings["k"] >= 1
+    assert (folder / settings["drafter"] / "model.safetensors").exists()

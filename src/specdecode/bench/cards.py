@@ -66,8 +66,10 @@ def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return blocks
 
 
-def record(results_path: str | Path, drafters_dir: str | Path | None = None) -> list[Path]:
-    """Update the cards of the drafters shipped for the run's target; the cards written."""
+def record(results_path: str | Path, drafters_dir: str | Path | None = None,
+           methods: tuple[str, ...] | None = None) -> list[Path]:
+    """Update the cards of the drafters shipped for the run's target (only ``methods`` when given,
+    so a run that measured some drafters leaves the others' blocks alone); the cards written."""
     from specdecode.proposers import eagle as eagle_mod
 
     path = Path(results_path)
@@ -82,6 +84,8 @@ def record(results_path: str | Path, drafters_dir: str | Path | None = None) -> 
     folder = root / eagle_mod.drafter_name(results["config"]["target"])
     written = []
     for method, block in benchmark_blocks(results).items():
+        if methods is not None and method not in methods:
+            continue
         card_path = folder / method / "card.json"
         if card_path.exists():
             card = json.loads(card_path.read_text())
@@ -101,7 +105,13 @@ def main(argv: list[str]) -> int:
                                 description="Record a bench run's drafter speedups in the shipped drafters' cards.")
     p.add_argument("results", help="a bench output folder or its results.json")
     p.add_argument("--drafters", default=None, help="drafters folder (default: the package's)")
+    p.add_argument("--methods", default=None,
+                   help=f"comma list of the cards to update (default: every one the run measured; of {', '.join(TRAINED + COMPOSED)})")
     args = p.parse_args(argv)
-    for card in record(args.results, args.drafters):
+    methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else None
+    unknown = set(methods or ()) - set(TRAINED + COMPOSED)
+    if unknown:
+        raise InputError(f"--methods: unknown {', '.join(sorted(unknown))}; choose from {', '.join(TRAINED + COMPOSED)}")
+    for card in record(args.results, args.drafters, methods):
         print(f"updated {card}")
     return 0
