@@ -119,6 +119,9 @@ def test_bench_writes_well_formed_outputs(bench_run):
     assert line["command"] == "bench" and line["ran"] == len(results["records"]) and line["resumed"] == 0
     assert "ngram k=2 T=0" in line["overall"]
     assert "overall" in bench_run["stdout"]  # the human-readable table precedes the JSON line
+    ceiling = line["ceiling"]
+    assert ceiling["k"] == 2 and 0 < ceiling["prefill_share"] < 1 and "## Ceiling" in summary
+    assert 1 < ceiling["perfect_drafts_speedup"] < ceiling["decode_only"]["perfect_drafts_speedup"]
 
 
 def test_bench_resumes_finished_cells(bench_run, tmp_path):

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from specdecode.core.cost_model import expected_tokens_per_round, predict_tokens_per_s
+from specdecode.core.cost_model import expected_tokens_per_round, predict_tokens_per_s, speedup_bound, tokens_per_call_needed
 
 OVERALL = "overall"
 PLOTS = {
@@ -296,6 +296,9 @@ def summary_markdown(results: dict[str, Any]) -> str:
         ]))
     else:
         parts.append("(no speculative cells)")
+    bound = ceiling(results)
+    if bound is not None:
+        parts += ["", "## Ceiling", "", ceiling_sentence(bound)]
     curve = results["cost_curve"]["forward_s"]
     parts += ["", f"## Target forward cost c(n) after {results['cost_curve']['context_tokens']} cached tokens", "",
               _md_table(["n tokens"] + list(curve), [["ms"] + [f"{float(v) * 1000:.2f}" for v in curve.values()]])]
@@ -305,6 +308,38 @@ def summary_markdown(results: dict[str, Any]) -> str:
     if truncated:
         parts += ["", f"Prompts left-truncated to fit the model: {', '.join(truncated)}"]
     return "\n".join(parts) + "\n"
+
+
+CEILING_TARGETS = (1.5, 2.0, 2.5)
+
+
+def ceiling(results: dict[str, Any]) -> dict[str, Any] | None:
+    """What this run's machine and workload allow any drafter at the largest k measured: the speedup
+    of perfect, free drafts, and the tokens per call free drafts need for 1.5x / 2x / 2.5x (None:
+    out of reach at this k). Prefill (plain decoding's measured share) is never sped up."""
+    plain = next((r for r in _rows(results, OVERALL) if r["method"] == "none"), None)
+    ks = [c["k"] for c in results["cells"] if isinstance(c.get("k"), int) and c["method"] not in ("none", "hf")]
+    if plain is None or plain.get("prefill_share") is None or not ks:
+        return None
+    k, share = max(ks), plain["prefill_share"]
+    curve = {int(n): float(v) for n, v in results["cost_curve"]["forward_s"].items()}
+
+    def bound(prefill: float) -> dict[str, Any]:
+        need = {f"{x:g}x": tokens_per_call_needed(x, k, curve, prefill) for x in CEILING_TARGETS}
+        return {"perfect_drafts_speedup": _round(speedup_bound(k + 1, k, curve, prefill)),
+                "mal_needed": {x: None if math.isinf(v) else _round(v, 2) for x, v in need.items()}}
+
+    # Decode only: the limit for long outputs, where prefill's share goes to 0.
+    return {"k": k, "prefill_share": _round(share), **bound(share), "decode_only": bound(0.0)}
+
+
+def ceiling_sentence(c: dict[str, Any]) -> str:
+    def needs(b: dict[str, Any]) -> str:
+        return ", ".join(f"{x} {'out of reach' if v is None else f'MAL {v:.2f}'}" for x, v in b["mal_needed"].items())
+
+    return (f"Ceiling at k={c['k']}, drafting for free: with this run's prefill ({c['prefill_share']:.0%} of plain time, "
+            f"never sped up) perfect drafts give {c['perfect_drafts_speedup']:.2f}x, and {needs(c)}; decode only "
+            f"(long outputs) perfect drafts give {c['decode_only']['perfect_drafts_speedup']:.2f}x, and {needs(c['decode_only'])}.")
 
 
 # -- plots -------------------------------------------------------------------------------------
@@ -497,6 +532,9 @@ def print_console(results: dict[str, Any], console: Any) -> None:
     for label, vals in lines:
         matrix.add_row(label, *vals)
     console.print(matrix)
+    bound = ceiling(results)
+    if bound is not None:
+        console.print(ceiling_sentence(bound))
 
 
 def summary_line(results: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -515,7 +553,7 @@ def summary_line(results: dict[str, Any], out: Path) -> dict[str, Any]:
         "prompts": len(results["prompts"]), "categories": results["categories"],
         "ran": results["run"]["ran"], "resumed": results["run"]["resumed"], "elapsed_s": results["run"]["elapsed_s"],
         "best": None if best is None else {"cell": cell_label(best, multi), "speedup": _round(best["speedup"])},
-        "overall": overall,
+        "overall": overall, "ceiling": ceiling(results),
     }
 
 

@@ -7,6 +7,7 @@ Leviathan et al.'s (1 - a^(k+1)) / (1 - a) is the special case of i.i.d. accepta
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 VerifyCost = Callable[[int], float] | Mapping[int, float]
@@ -86,3 +87,21 @@ def predicted_speedup(k: int, accept_by_position: Sequence[float], draft_s_per_t
     """Predicted tokens/s with k drafts over plain decoding's."""
     plain = predict_tokens_per_s(0, accept_by_position, draft_s_per_token, verify_s, overhead_s)
     return predict_tokens_per_s(k, accept_by_position, draft_s_per_token, verify_s, overhead_s) / plain
+
+
+def speedup_bound(tokens_per_call: float, k: int, verify_s: VerifyCost, prefill_share: float) -> float:
+    """End-to-end speedup of a k-draft method committing ``tokens_per_call`` per target call at no
+    draft cost, over plain decoding that spends ``prefill_share`` of its time in prefill (which no
+    proposer speeds up): an upper bound for every drafter with that acceptance."""
+    per_token = _cost(verify_s, k + 1) / _cost(verify_s, 1) / tokens_per_call
+    return 1.0 / (prefill_share + (1.0 - prefill_share) * per_token)
+
+
+def tokens_per_call_needed(speedup: float, k: int, verify_s: VerifyCost, prefill_share: float) -> float:
+    """The tokens per target call a k-draft method needs, drafting for free, to reach ``speedup``
+    (the inverse of :func:`speedup_bound`); ``inf`` when even k + 1 (every draft accepted) falls short."""
+    rest = 1.0 / speedup - prefill_share
+    if rest <= 0:
+        return math.inf
+    need = (1.0 - prefill_share) * _cost(verify_s, k + 1) / _cost(verify_s, 1) / rest
+    return need if need <= k + 1 else math.inf
