@@ -111,6 +111,15 @@ def test_missing_features_are_recomputed():
     assert torch.equal(first, second)
 
 
+def test_asking_twice_for_the_same_context_drafts_the_same():
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    proposer = EagleProposer(target, head=random_head(target, gain=3.0))
+    context = [1, 2, 3, 4, 1, 2]
+    proposer.reset(context)
+    first = proposer.propose(context, 3, SamplingConfig(), None).tokens
+    assert torch.equal(proposer.propose(context, 3, SamplingConfig(), None).tokens, first)
+
+
 def test_needs_native_backend():
     from helpers import tiny_llama
     from specdecode.errors import ConfigError

@@ -67,6 +67,7 @@ class EagleProposer(TargetFeatures):
         self._watch(prompt_ids)
         self.cache = StaticKVCache(1, self.head.cfg.kv_heads, self.head.cfg.head_dim, len(prompt_ids) + 256, torch.float32)
         self.hlen = 0  # head entries 0..hlen-1 are built from true features and committed tokens
+        self._tail = None  # the head's output at entry hlen-1 (the predicted f^_{hlen})
 
     def _sync(self, context: list[int]) -> torch.Tensor | None:
         """Head entries for every committed pair; the predicted feature f^_{L-1} ([1, 1, hidden])."""
@@ -76,9 +77,10 @@ class EagleProposer(TargetFeatures):
         self._features_upto(context, n - 1)
         self.cache.trim(self.hlen)
         lo, hi = self.hlen, n - 1  # new entries lo..hi-1
-        out = self._step(self.feats[lo:hi].unsqueeze(0), torch.tensor(context[lo + 1 : hi + 1]), torch.arange(lo, hi))
-        self.hlen = hi
-        return out[:, -1:]
+        if lo < hi:  # none when asked twice for the same context
+            out = self._step(self.feats[lo:hi].unsqueeze(0), torch.tensor(context[lo + 1 : hi + 1]), torch.arange(lo, hi))
+            self.hlen, self._tail = hi, out[:, -1:]
+        return self._tail
 
     def _step(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask=None) -> torch.Tensor:
         start = self.cache.reserve(feats.shape[1])
