@@ -34,6 +34,7 @@ def assert_clean_error(proc: subprocess.CompletedProcess, needle: str) -> None:
         (["generate", "hi", "--method", "magic"], "invalid choice: 'magic'"),
         (["generate", "hi", "--target", "/no/such/model"], "model path not found: /no/such/model"),
         (["generate", "   "], "empty prompt"),
+        (["generate", "hi", "--drafter", "eagle"], "use it with --method hybrid"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, needle):

@@ -99,11 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode.api import SpeculativeGenerator
     from specdecode.core.sampling import SamplingConfig
-    from specdecode.errors import InputError
+    from specdecode.errors import ConfigError, InputError
     from specdecode.models.loading import load_model
 
     if not args.prompt.strip():
         raise InputError("empty prompt")
+    if args.drafter and args.method != "hybrid":
+        raise ConfigError(f"--drafter chooses the hybrid's trained drafter; use it with --method hybrid, not {args.method!r}")
     from specdecode.runtime import set_threads
 
     set_threads(args.threads)
