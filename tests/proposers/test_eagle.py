@@ -111,6 +111,28 @@ def test_missing_features_are_recomputed():
     assert torch.equal(first, second)
 
 
+def test_rounds_sat_out_are_read_from_the_sink_not_recomputed():
+    """Ten plain forwards pass before the proposer drafts (speculation off, or another proposer
+    drafting): their rows are absorbed then, and the drafts match a full recompute's."""
+    target = tiny_native(vocab=6, seed=5, layers=3)
+    head = random_head(target, gain=3.0)
+    context = [1, 2, 3, 4, 1, 2, 5, 0, 3, 1, 4, 2, 5, 1]
+    a = EagleProposer(target, head=head)
+    a.reset(context[:4])
+    fills = []
+    real_fill = a._fill
+    a._fill = lambda ctx, needed: fills.append(needed) or real_fill(ctx, needed)
+    cache = target.new_cache(32)
+    target.forward(torch.tensor([context[:4]]), cache)
+    for token in context[4:-1]:
+        target.forward(torch.tensor([[token]]), cache)
+    drafted = a.propose(context, 4, SamplingConfig(), None).tokens
+    b = EagleProposer(target, head=head)
+    b.reset(context)
+    target.hidden_sink = None
+    assert fills == [] and torch.equal(drafted, b.propose(context, 4, SamplingConfig(), None).tokens)
+
+
 def test_asking_twice_for_the_same_context_drafts_the_same():
     target = tiny_native(vocab=6, seed=5, layers=3)
     proposer = EagleProposer(target, head=random_head(target, gain=3.0))

@@ -2,15 +2,20 @@
 
 A feature-reading proposer (EAGLE, Medusa) needs the target's pre-norm last-layer feature f_i of
 committed positions. It gets them for free from the target's own forwards: the proposer installs
-itself as the native target's ``hidden_sink`` and, at each round, keeps the rows of the last
-forwards (prefill, chain or tree verify) whose tokens the committed context confirms. If a
-feature is missing anyway (a forward it did not see), it recomputes it with its own target
-forward on a private cache, so the drafts never depend on how the decoder is driven.
+itself as the native target's ``hidden_sink`` and, when it next drafts, keeps the rows of the
+forwards since (prefill, chain or tree verify, however many rounds it sat out: another proposer
+drafted, or speculation was off) whose tokens the committed context confirms. If a feature is
+missing anyway (a forward it did not see), it recomputes it with its own target forward on a
+private cache, so the drafts never depend on how the decoder is driven.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
+
+MAX_PENDING_ROWS = 4096  # forwards' rows kept until the next draft (a few MB); older ones are recomputed
 
 
 class TargetFeatures:
@@ -26,7 +31,8 @@ class TargetFeatures:
     def _watch(self, prompt_ids: list[int]) -> None:
         """Start recording the target's forwards for a new request."""
         self.target.hidden_sink = self._record
-        self._records: list[tuple] = []
+        self._records: deque[tuple] = deque()
+        self._pending = 0  # rows in _records
         self.feats = torch.empty(len(prompt_ids) + 256, self.hidden)
         self.known = torch.zeros(self.feats.shape[0], dtype=torch.bool)
         self.nfeat = 0  # feats[:nfeat] are the target's features of the context's positions
@@ -35,11 +41,9 @@ class TargetFeatures:
 
     def _record(self, ids, positions, mask, hidden) -> None:
         self._records.append((ids, positions, mask, hidden))
-        del self._records[:-4]  # at most one prefill and a few rounds are ever pending
-
-    def keep_up(self, context: list[int]) -> None:
-        """Absorb the target's latest forwards on a round someone else drafted (no compute)."""
-        self._absorb(context)
+        self._pending += len(ids)
+        while self._pending > MAX_PENDING_ROWS and len(self._records) > 1:
+            self._pending -= len(self._records.popleft()[0])
 
     def _features_upto(self, context: list[int], needed: int) -> None:
         """Make ``feats[:needed]`` the target's features of ``context[:needed]``."""
@@ -76,7 +80,8 @@ class TargetFeatures:
                 index = torch.tensor([pos[i] for i in rows])
                 self.feats[index] = hidden[rows].float()
                 self.known[index] = True
-        self._records = []
+        self._records.clear()
+        self._pending = 0
         while self.nfeat < self.known.shape[0] and self.known[self.nfeat]:
             self.nfeat += 1
 

@@ -9,8 +9,8 @@ when the drafter drafts nothing (its confidence stop), a shorter match is tried 
 
 Exactness: which proposer drafts depends on the committed context alone, and each reports
 exactly its own q (one-hot for lookup), so the one verifier keeps the target's distribution.
-A feature-reading drafter still absorbs the target's forwards on lookup rounds (``keep_up``), so
-it never recomputes features it missed.
+A feature-reading drafter picks up the target's forwards of lookup rounds when it next drafts
+(:mod:`specdecode.proposers.features`), so it never recomputes them.
 """
 
 from __future__ import annotations
@@ -49,9 +49,6 @@ class HybridProposer:
             if not short:
                 return self._count("drafter", draft)
             source, found = "short", short
-        keep_up = getattr(self.drafter, "keep_up", None)
-        if keep_up is not None:
-            keep_up(context)
         return self._count(source, Draft(tokens=torch.tensor([found], dtype=torch.long)))
 
     def _count(self, source: str, draft: Draft) -> Draft:

@@ -77,10 +77,10 @@ class MedusaProposer(TargetFeatures):
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         logits = self._head_logits(context, k)
-        if logits is not None:
-            logits = logits[: confident_prefix(logits, self.confidence_threshold)]
-        if logits is None or logits.shape[0] == 0:
+        n = 0 if logits is None else confident_prefix(logits, self.confidence_threshold)
+        if n == 0:
             return Draft.empty()
+        logits = logits[:n]
         small = logits_to_probs(logits, sampling)  # [k, draft_vocab], one row per head
         j = small.argmax(-1) if sampling.greedy else sample(small, generator)
         vocab_ids = self.heads.vocab_ids
