@@ -12,7 +12,7 @@ from scipy import stats
 from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
 from specdecode.core.verify import Draft, Verification, draft_probs_or_onehot
 from specdecode.engine import Decoder, GenerationConfig
-from specdecode.models.base import check_trim
+from specdecode.models.base import ModelCaps, check_trim
 
 ALPHA = 1e-3  # significance level of every conformance test in this suite
 
@@ -39,7 +39,7 @@ class MarkovLM:
     """A second-order Markov chain given by a logit table [vocab, vocab, vocab]."""
 
     backend = "table"
-    supports_tree = True
+    caps = ModelCaps(trees=True)
 
     def __init__(self, vocab: int, seed: int, sharpness: float = 2.0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -203,3 +203,10 @@ def greedy_draft_lengths(make_proposer, thresholds, k: int = 6) -> list[int]:
         proposer.reset(context)
         lengths.append(proposer.propose(context, k, SamplingConfig(temperature=0.0), None).tokens.shape[1])
     return lengths
+
+
+def started_states(proposer) -> list:
+    """The per-request states ``proposer.start`` hands out from now on (to inspect them after a run)."""
+    states, start = [], proposer.start
+    proposer.start = lambda *args: states.append(start(*args)) or states[-1]
+    return states

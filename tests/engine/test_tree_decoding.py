@@ -6,6 +6,8 @@ Conformance: 20,000 sequences per case, chi-square at significance level ALPHA =
 from __future__ import annotations
 
 import pytest
+
+from specdecode.proposers.base import PerRequest, ProposerCaps
 import torch
 
 from helpers import ALPHA, MarkovLM, chi_square_pvalue, sample_sequences, sequence_law
@@ -77,8 +79,9 @@ def test_tree_refused_for_chain_only_proposer_or_backend():
     from helpers import tiny_llama
     from specdecode.proposers import DraftModelProposer
 
-    class ChainOnly:
+    class ChainOnly(PerRequest):
         name = "chain-only"
+        caps = ProposerCaps(trees=False)
 
     with pytest.raises(ConfigError, match="cannot draft trees"):
         Decoder(MarkovLM(5, seed=0), ChainOnly(), k=2, tree=TreeConfig())

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import ALPHA, greedy_draft_lengths, proposer_pvalue, tiny_native
+from helpers import ALPHA, greedy_draft_lengths, proposer_pvalue, started_states, tiny_native
 from specdecode.core.sampling import SamplingConfig, logits_to_probs
 from specdecode.engine import Decoder, GenerationConfig, TreeConfig
 from specdecode.proposers.eagle import DRAFTERS_DIR, EagleProposer
@@ -85,8 +85,10 @@ def test_features_match_a_fresh_target_forward(tree):
     proposer = EagleProposer(target, head=random_head(target, gain=3.0), branch=2)
     decoder = Decoder(target, proposer, k=3, tree=TreeConfig(max_nodes=6) if tree else None)
     prompt = [1, 2, 3, 4, 1, 2]
+    states = started_states(proposer)
     out = decoder.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids
     context = prompt + out
+    (proposer,) = states
     proposer._absorb(context)
     n = min(proposer.nfeat, len(context))
     assert n >= len(context) - 2  # everything verified so far (the last tokens were never fed)
@@ -95,23 +97,24 @@ def test_features_match_a_fresh_target_forward(tree):
 
 
 def test_missing_features_are_recomputed():
-    """With the sink removed, drafts come from the private feature forward and stay the same."""
+    """Without the target's forwards, drafts come from the private feature forward and stay the same."""
     target = tiny_native(vocab=6, seed=5, layers=3)
     head = random_head(target, gain=3.0)
     context = [1, 2, 3, 4, 1, 2, 5, 0]
     greedy = SamplingConfig()
     a = EagleProposer(target, head=head)
     a.reset(context[:-1])
-    target.forward(torch.tensor([context[:-1]]), target.new_cache(16))  # seen by the sink
+    ids = torch.tensor(context[:-1])
+    _, hidden = target.forward(ids.unsqueeze(0), target.new_cache(16), return_hidden=True)
+    a.observe_forward(ids, torch.arange(len(ids)), None, hidden)  # what the engine hands over
     first = a.propose(context, 4, greedy, None).tokens
     b = EagleProposer(target, head=head)
     b.reset(context[:-1])
-    target.hidden_sink = None
     second = b.propose(context, 4, greedy, None).tokens
     assert torch.equal(first, second)
 
 
-def test_rounds_sat_out_are_read_from_the_sink_not_recomputed():
+def test_rounds_sat_out_are_read_from_the_target_forwards_not_recomputed():
     """Ten plain forwards pass before the proposer drafts (speculation off, or another proposer
     drafting): their rows are absorbed then, and the drafts match a full recompute's."""
     target = tiny_native(vocab=6, seed=5, layers=3)
@@ -123,13 +126,13 @@ def test_rounds_sat_out_are_read_from_the_sink_not_recomputed():
     real_fill = a._fill
     a._fill = lambda ctx, needed: fills.append(needed) or real_fill(ctx, needed)
     cache = target.new_cache(32)
-    target.forward(torch.tensor([context[:4]]), cache)
-    for token in context[4:-1]:
-        target.forward(torch.tensor([[token]]), cache)
+    for piece in [context[:4]] + [[t] for t in context[4:-1]]:
+        start = cache.length
+        _, hidden = target.forward(torch.tensor([piece]), cache, return_hidden=True)
+        a.observe_forward(torch.tensor(piece), torch.arange(start, start + len(piece)), None, hidden)
     drafted = a.propose(context, 4, SamplingConfig(), None).tokens
     b = EagleProposer(target, head=head)
     b.reset(context)
-    target.hidden_sink = None
     assert fills == [] and torch.equal(drafted, b.propose(context, 4, SamplingConfig(), None).tokens)
 
 
@@ -183,7 +186,6 @@ def test_shipped_head_greedy_identity_on_real_model():
             out = Decoder(loaded.model, proposer, k=4, tree=tree, eos_token_ids=loaded.eos_token_ids).generate(ids, cfg)
             assert out.token_ids == expected, (prompt, tree)
             accepted.append(out.stats["mean_accepted_length"])
-    loaded.model.hidden_sink = None
     assert sum(accepted) / len(accepted) > 1.5  # a trained head, not a random one
 
 

@@ -89,7 +89,9 @@ def test_draft_token_one_is_head_zero_on_the_last_known_feature():
     context = [1, 2, 3, 4, 1, 2, 5, 0]
     proposer = MedusaProposer(target, heads=heads)
     proposer.reset(context[:-1])
-    target.forward(torch.tensor([context[:-1]]), target.new_cache(16))  # the prefill the sink sees
+    ids = torch.tensor(context[:-1])
+    _, hidden = target.forward(ids.unsqueeze(0), target.new_cache(16), return_hidden=True)
+    proposer.observe_forward(ids, torch.arange(len(ids)), None, hidden)  # the prefill, as the engine hands it over
     draft = proposer.propose(context, 5, SamplingConfig(), None)
     fresh = target_features(target, context[:-1])[-1]
     assert draft.k == 3  # one token per head, however large k is
@@ -117,17 +119,18 @@ def test_tree_is_best_first_and_prefix_closed():
 
 
 def test_missing_features_are_recomputed():
-    """With the sink removed, drafts come from the private feature forward and stay the same."""
+    """Without the target's forwards, drafts come from the private feature forward and stay the same."""
     target = tiny_native(vocab=6, seed=5, layers=3)
     heads = random_heads(target, seed=3)
     context = [1, 2, 3, 4, 1, 2, 5, 0]
     a = MedusaProposer(target, heads=heads)
     a.reset(context[:-1])
-    target.forward(torch.tensor([context[:-1]]), target.new_cache(16))
+    ids = torch.tensor(context[:-1])
+    _, hidden = target.forward(ids.unsqueeze(0), target.new_cache(16), return_hidden=True)
+    a.observe_forward(ids, torch.arange(len(ids)), None, hidden)
     first = a.propose(context, 4, SamplingConfig(), None).tokens
     b = MedusaProposer(target, heads=heads)
     b.reset(context[:-1])
-    target.hidden_sink = None
     assert torch.equal(first, b.propose(context, 4, SamplingConfig(), None).tokens)
 
 
@@ -172,7 +175,6 @@ def test_shipped_heads_greedy_identity_on_real_model():
             out = decoder.generate(ids, cfg)
             assert out.token_ids == expected, (prompt, tree)
             accepted.append(out.stats["mean_accepted_length"])
-    loaded.model.hidden_sink = None
     assert sum(accepted) / len(accepted) > 1.2  # trained heads, not random ones
 
 

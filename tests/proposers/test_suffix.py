@@ -119,12 +119,23 @@ def test_tree_lists_branches_best_first():
 def test_corpus_supplies_matches_across_requests():
     corpus = SuffixCorpus(max_tokens=100)
     p = SuffixProposer(corpus=corpus)
-    p.reset([0])
-    p.propose([0, 4, 5, 6, 7], 4, GREEDY, None)  # the first request's output: 4 5 6 7
-    p.reset([9, 9])
+    first = p.start([0])
+    first.propose([0, 4, 5, 6, 7], 4, GREEDY, None)
+    first.finish([0, 4, 5, 6, 7])  # the first request's output: 4 5 6 7
     assert list(corpus.docs) == [[4, 5, 6, 7]]
-    assert p.propose([9, 9, 4, 5], 4, GREEDY, None).tokens.tolist() == [[6, 7]]
+    assert p.start([9, 9]).propose([9, 9, 4, 5], 4, GREEDY, None).tokens.tolist() == [[6, 7]]
     assert local().propose([9, 9, 4, 5], 4, GREEDY, None).k == 0
+
+
+def test_each_proposer_owns_its_corpus_unless_one_is_shared():
+    a, b = SuffixProposer(), SuffixProposer()
+    request = a.start([0])
+    request.finish([0, 4, 5, 6, 7])
+    assert list(a.corpus.docs) == [[4, 5, 6, 7]] and not b.corpus.docs  # no per-process corpus
+    shared = SuffixCorpus()
+    c, d = SuffixProposer(corpus=shared), SuffixProposer(corpus=shared)
+    c.start([0]).finish([0, 1, 2])
+    assert d.corpus is shared and list(shared.docs) == [[1, 2]]
 
 
 def test_corpus_is_bounded():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections.abc import Iterator
@@ -107,12 +108,12 @@ class Decoder:
 
 def _check_tree_support(target: CausalLM, proposer: Proposer | None) -> None:
     """Refuse tree drafting up front when the proposer or the model cannot do it."""
-    if proposer is None or not hasattr(proposer, "propose_tree"):
+    if proposer is None or not proposer.caps.trees:
         name = proposer.name if proposer is not None else "none"
         raise ConfigError(f"method '{name}' cannot draft trees; use a chain (--no-tree)")
-    if not getattr(target, "supports_tree", False):
+    if not target.caps.trees:
         raise ConfigError(
-            f"the {getattr(target, 'backend', 'this')} backend cannot verify trees "
+            f"the {target.backend} backend cannot verify trees "
             "(needs attention masks and cache compaction; the native backend can)"
         )
 
@@ -176,6 +177,9 @@ class DecodeRun:
         m.total_s = time.perf_counter() - start
         m.new_tokens = self.output.count
         stats = m.to_dict()
+        if self.proposer is not None:
+            self.proposer.finish(context)
+            stats.update(self.proposer.stats())
         if self.shadow is not None:
             stats.update(self.shadow.stats())
         self._result = GenerationResult(
@@ -206,10 +210,10 @@ class DecodeRun:
         A proposer with a side branch (lookahead's Jacobi window) gets that branch scored in the
         same forward; side nodes are never accepted and vanish when the cache is compacted.
         """
-        proposer = self.d.proposer
+        proposer = self.proposer
         t = time.perf_counter()
         tree = Tree.from_paths(proposer.propose_tree(context, k, self.d.tree.max_nodes))
-        side = proposer.side_branch(context) if hasattr(proposer, "side_branch") else []
+        side = proposer.side_branch(context) if proposer.caps.side_branch else []
         self.metrics.draft_s += time.perf_counter() - t
         t = time.perf_counter()
         logits = self._score_tree(cache, context[-1], tree, side)
@@ -240,33 +244,45 @@ class DecodeRun:
         mask[n:, base + n :] = torch.ones(s, s, dtype=torch.bool).tril()
         positions = torch.cat([tree.depths(), torch.arange(1, s + 1)]) + base
         ids = torch.tensor([[last_token, *tree.tokens.tolist(), *side]])
-        return self.d.target.forward(ids, cache, positions=positions.unsqueeze(0), attn_mask=mask)[0]
+        return self._forward(ids, cache, positions=positions.unsqueeze(0), attn_mask=mask)[0]
 
     def _prefill(self) -> KVCache:
         """Cache the prompt except its last token, which the first round feeds with its drafts."""
         cache = self.d.target.new_cache(len(self.prompt_ids) + self.config.max_new_tokens + self.d.k + 1)
-        self.policy = self.d.policy
+        self.policy = copy.deepcopy(self.d.policy)  # per-request estimates
         self.policy.reset()
         self.shadow = None
+        self.proposer = None
         if self.d.proposer is not None:
-            if hasattr(self.d.proposer, "bind_target_cache"):
-                self.d.proposer.bind_target_cache(cache)  # e.g. early exit shares the first layers
-            self.d.proposer.reset(self.prompt_ids)
+            self.proposer = self.d.proposer.start(self.prompt_ids, cache)  # its own state, this request's
             if self.d.shadow:
-                self.shadow = ShadowTracker(self.d.proposer, self.d.k, self.config.sampling)
+                self.shadow = ShadowTracker(self.proposer, self.d.k, self.config.sampling)
         if len(self.prompt_ids) > 1:
-            self.d.target.forward(torch.tensor([self.prompt_ids[:-1]], dtype=torch.long), cache, last_only=True)
+            self._forward(torch.tensor([self.prompt_ids[:-1]], dtype=torch.long), cache, last_only=True)
         return cache
+
+    def _forward(self, ids: torch.Tensor, cache: KVCache, positions=None, attn_mask=None, last_only=False) -> torch.Tensor:
+        """A target forward over this request's cache; a feature-reading proposer sees its features."""
+        if self.proposer is None or not self.proposer.caps.reads_target_features:
+            return self.d.target.forward(ids, cache, positions=positions, attn_mask=attn_mask, last_only=last_only)
+        base = cache.length
+        logits, hidden = self.d.target.forward(
+            ids, cache, positions=positions, attn_mask=attn_mask, last_only=last_only, return_hidden=True
+        )
+        n = ids.shape[1]
+        pos = torch.arange(base, base + n) if positions is None else positions.reshape(n)
+        self.proposer.observe_forward(ids[0], pos, attn_mask, hidden)
+        return logits
 
     def _propose(self, context: list[int], k: int) -> Draft:
         if self.shadow is not None:
             t = time.perf_counter()
             self.shadow.before_round(context, self.generator)
             self.metrics.draft_s += time.perf_counter() - t
-        if self.d.proposer is None or k < 1:
+        if self.proposer is None or k < 1:
             return Draft.empty()
         t = time.perf_counter()
-        draft = self.d.proposer.propose(context, k, self.config.sampling, self.generator)
+        draft = self.proposer.propose(context, k, self.config.sampling, self.generator)
         if draft.k > k:  # a proposer may return fewer than k, never more
             draft = Draft(draft.tokens[:, :k], None if draft.probs is None else draft.probs[:, :k])
         self.metrics.draft_s += time.perf_counter() - t
@@ -277,7 +293,7 @@ class DecodeRun:
         t = time.perf_counter()
         ids = torch.cat([torch.tensor([[last_token]], dtype=torch.long), draft.tokens], dim=1)
         self._base = cache.length
-        logits = self.d.target.forward(ids, cache)
+        logits = self._forward(ids, cache)
         self.metrics.verify_s += time.perf_counter() - t
         return logits
 
@@ -298,8 +314,8 @@ class DecodeRun:
     def _trim(self, cache: KVCache, num_accepted: int) -> None:
         """Keep the fed last token and the accepted drafts; drop the rejected suffix."""
         cache.trim(self._base + 1 + num_accepted)
-        if self.d.proposer is not None and self.shadow is None:
-            self.d.proposer.observe(num_accepted)
+        if self.proposer is not None and self.shadow is None:
+            self.proposer.observe(num_accepted)
 
     def _emit(self, committed: list[int]) -> StreamEvent:
         return self.output.add(committed)

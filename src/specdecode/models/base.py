@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
+
+@dataclass(frozen=True)
+class ModelCaps:
+    """What a model's forward can do beyond appending a causal chain; read, never probed for."""
+
+    trees: bool = False  # forward takes explicit positions + attention masks; caches compact
+    rows: bool = False  # forward_rows: several sequences (each over its own cache) in one pass
+    hidden: bool = False  # return_hidden=True also returns the last layer's pre-norm features
 
 
 @runtime_checkable
@@ -25,15 +35,28 @@ class KVCache(Protocol):
 class CausalLM(Protocol):
     """A causal language model the engine can drive (native path, transformers adapter, tests)."""
 
+    backend: str  # "native", "transformers", ...
+    caps: ModelCaps
     vocab_size: int
     max_length: int  # longest sequence (prompt + output) the model accepts
 
     def new_cache(self, max_length: int) -> KVCache: ...
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """Append ``input_ids`` [1, n] to ``cache``; return float32 logits [1, n, vocab].
 
-        ``last_only=True`` may return just the last row ([1, 1, vocab]): prefill needs no more.
+        ``positions`` [1, n] and ``attn_mask`` (bool [n, cache.length + n], True = may attend)
+        are given only to a model whose ``caps.trees`` is set (tree verification); otherwise the
+        rows take the next n positions, causally. ``last_only=True`` may return just the last row
+        ([1, 1, vocab]): prefill needs no more. A model with ``caps.hidden`` also takes
+        ``return_hidden=True`` and then returns ``(logits, hidden [n, hidden_size])``.
         """
         ...
 

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from specdecode.errors import ModelLoadError
-from specdecode.models.base import check_trim
+from specdecode.models.base import ModelCaps, check_trim
 
 
 class HFCache:
@@ -41,6 +41,7 @@ class HFCausalLM:
     """``CausalLM`` over a transformers model (float32 logits, batch of one)."""
 
     backend = "transformers"
+    caps = ModelCaps()  # a causal chain over a growing cache; no trees, rows or features
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
@@ -56,7 +57,11 @@ class HFCausalLM:
         return HFCache(self.model)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: HFCache, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, cache: HFCache, positions=None, attn_mask=None, last_only: bool = False
+    ) -> torch.Tensor:
+        if positions is not None or attn_mask is not None:
+            raise ValueError("the transformers adapter verifies chains only (caps.trees is False)")
         n = input_ids.shape[1]
         start = cache.length
         positions = torch.arange(start, start + n).unsqueeze(0)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.errors import ModelLoadError
+from specdecode.models.base import ModelCaps
 from specdecode.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig, cos_sin, inv_freq
 from specdecode.models.static_cache import StaticKVCache
 
@@ -399,7 +400,7 @@ class NativeCausalLM:
     """``CausalLM`` running a Llama-family checkpoint with plain PyTorch ops and a static cache."""
 
     backend = "native"
-    supports_tree = True  # forward takes positions + attention masks; the cache compacts
+    caps = ModelCaps(trees=True, rows=True, hidden=True)
 
     def __init__(
         self, config: NativeConfig, weights: Weights, dtype: torch.dtype = torch.float32, row_exact: bool | None = None
@@ -419,9 +420,6 @@ class NativeCausalLM:
         )
         self._inv_freq = inv_freq(config.rope, config.head_dim)
         self._decoder: Callable[..., torch.Tensor] = _decoder
-        # Optional observer of every forward's pre-norm features (EAGLE drafting):
-        # called as hidden_sink(input_ids [n], positions [n], attn_mask or None, hidden [n, hidden]).
-        self.hidden_sink: Callable[..., None] | None = None
 
     @classmethod
     def from_pretrained(
@@ -471,42 +469,44 @@ class NativeCausalLM:
         positions: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         last_only: bool = False,
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``input_ids`` [1, n] to ``cache``; return float32 logits [1, n, vocab].
 
         ``positions`` [1, n] (int64) defaults to the next n positions. ``attn_mask`` (bool,
         [1, n, cache.length + n] or [n, cache.length + n], True = may attend) defaults to causal
         over cache + new tokens; pass both for tree verification. ``last_only`` returns the last
-        row's logits only ([1, 1, vocab]).
+        row's logits only ([1, 1, vocab]). ``return_hidden`` also returns the last layer's
+        pre-norm features of every row ([n, hidden], float32): ``(logits, hidden)``.
         """
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must have shape [1, n], got {tuple(input_ids.shape)}")
-        n = input_ids.shape[1]
-        start = cache.reserve(n)
-        try:
-            pos = torch.arange(start, start + n) if positions is None else positions.reshape(n)
-            seq = _Seq(cache.keys, cache.values, start, 0, n, self._mask(start, n, attn_mask))
-            sink = self.hidden_sink
-            hidden: list[torch.Tensor] | None = None if sink is None else []
-            logits = self._run(input_ids[0], pos, [seq], [n - 1] if last_only else None, hidden)
-            if sink is not None:
-                sink(input_ids[0], pos, attn_mask, hidden[0])
-        except BaseException:
-            cache.trim(start)  # a failed forward leaves the cache as it was
-            raise
-        return logits.unsqueeze(0)
+        rows = [input_ids[0]]
+        out = self.forward_rows(
+            rows, [cache], None if positions is None else [positions.reshape(-1)],
+            None if attn_mask is None else [attn_mask], last_only=last_only, return_hidden=return_hidden,
+        )
+        return (out[0][0], out[1][0]) if return_hidden else out[0]
 
     @torch.inference_mode()
     def forward_rows(
-        self, rows: list[torch.Tensor], caches: list[StaticKVCache], last_only: bool = False
-    ) -> list[torch.Tensor]:
+        self,
+        rows: list[torch.Tensor],
+        caches: list[StaticKVCache],
+        positions: list[torch.Tensor | None] | None = None,
+        masks: list[torch.Tensor | None] | None = None,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Several sequences in one forward: append ``rows[r]`` ([n_r] ids, n_r >= 1) to ``caches[r]``.
 
         Each cache keeps its own length, so rows of different lengths over caches of different
-        lengths (prefills, 1-token decodes, k-token verifies) share one pass over the weights.
-        Returns float32 logits [1, n_r, vocab] per row ([1, 1, vocab] with ``last_only``); each
-        equals what :meth:`forward` gives that row alone (bitwise with prepacked matrices in
-        bf16). ``hidden_sink`` is not called: it observes single-sequence forwards.
+        lengths (prefills, 1-token decodes, k-token verifies, tree verifies with their own
+        ``positions[r]`` [n_r] and ``masks[r]`` [n_r, cache_r.length + n_r]) share one pass over
+        the weights. Returns float32 logits [1, n_r, vocab] per row ([1, 1, vocab] with
+        ``last_only``); each equals what the row gives alone (bitwise with prepacked matrices in
+        bf16). ``return_hidden`` also returns each row's pre-norm last-layer features [n_r, hidden].
+        A failed forward leaves every cache as it was.
         """
         if len(rows) != len(caches) or not rows:
             raise ValueError(f"forward_rows needs one cache per row, got {len(rows)} rows and {len(caches)} caches")
@@ -515,24 +515,31 @@ class NativeCausalLM:
         ids = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rows]
         if any(r.numel() == 0 for r in ids):
             raise ValueError("every row needs at least one new token")
-        seqs, positions, lo, done = [], [], 0, []
+        positions = positions or [None] * len(ids)
+        masks = masks or [None] * len(ids)
+        seqs, pos, lo, done = [], [], 0, []
         try:
-            for r, cache in zip(ids, caches):
+            for r, cache, p, m in zip(ids, caches, positions, masks):
                 n = r.numel()
                 start = cache.reserve(n)
                 done.append((cache, start))
-                seqs.append(_Seq(cache.keys, cache.values, start, lo, lo + n, self._mask(start, n, None)))
-                positions.append(torch.arange(start, start + n))
+                seqs.append(_Seq(cache.keys, cache.values, start, lo, lo + n, self._mask(start, n, m)))
+                pos.append(torch.arange(start, start + n) if p is None else p.reshape(n))
                 lo += n
             last = [s.hi - 1 for s in seqs] if last_only else None
-            logits = self._run(torch.cat(ids), torch.cat(positions), seqs, last, None)
+            hidden: list[torch.Tensor] | None = [] if return_hidden else None
+            logits = self._run(torch.cat(ids), torch.cat(pos), seqs, last, hidden)
         except BaseException:
             for cache, start in done:
                 cache.trim(start)
             raise
         if last_only:
-            return [logits[i : i + 1].unsqueeze(0) for i in range(len(seqs))]
-        return [logits[s.lo : s.hi].unsqueeze(0) for s in seqs]
+            out = [logits[i : i + 1].unsqueeze(0) for i in range(len(seqs))]
+        else:
+            out = [logits[s.lo : s.hi].unsqueeze(0) for s in seqs]
+        if not return_hidden:
+            return out
+        return out, [hidden[0][s.lo : s.hi].float() for s in seqs]
 
     def _run(
         self, ids: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], last_rows: list[int] | None,

@@ -1,8 +1,16 @@
-"""The one interface every proposer implements; the decode loop never knows which it drives."""
+"""The one interface every proposer implements; the decode loop never knows which it drives.
+
+A proposer is built once per engine (its weights and settings, shared by every request) and
+``start`` gives each request its own small state object; the engine never resets a shared one.
+What a proposer can do beyond drafting a chain is declared in ``caps`` and read by the engine,
+never probed for.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import copy
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -10,12 +18,27 @@ from specdecode.core.sampling import SamplingConfig
 from specdecode.core.verify import Draft
 
 
+@dataclass(frozen=True)
+class ProposerCaps:
+    """Declared capabilities; each flag names the methods the engine may then call."""
+
+    trees: bool = False  # propose_tree(context, k, max_nodes) -> paths
+    side_branch: bool = False  # side_branch(context) / observe_side(logits) in tree rounds (lookahead)
+    tree_only: bool = False  # drafts only through the tree forward (lookahead): refuse chains
+    shares_target_cache: bool = False  # start(prompt, target_cache) aliases part of the target cache
+    reads_target_features: bool = False  # observe_forward(ids, positions, mask, hidden) after target forwards
+    batched_drafting: bool = False  # the shared object's propose_batch(states, contexts, ks, samplings, gens)
+    confidence: bool = False  # takes confidence_threshold (a chain that stops at unsure tokens)
+    needs_native: bool = False  # only runs on the native backend
+
+
 @runtime_checkable
 class Proposer(Protocol):
     name: str
+    caps: ProposerCaps
 
-    def reset(self, prompt_ids: list[int]) -> None:
-        """Start a new request whose prompt is ``prompt_ids``."""
+    def start(self, prompt_ids: list[int], target_cache: object | None = None) -> "Proposer":
+        """A fresh per-request state for a request whose prompt is ``prompt_ids`` (self unchanged)."""
         ...
 
     def propose(
@@ -31,3 +54,41 @@ class Proposer(Protocol):
     def observe(self, num_accepted: int) -> None:
         """How many of the last proposal's tokens the target accepted."""
         ...
+
+    def finish(self, context: list[int]) -> None:
+        """The request ended with ``context`` committed (a corpus may learn from it)."""
+        ...
+
+    def stats(self) -> dict:
+        """Method-specific figures of this request for its result's stats (may be empty)."""
+        ...
+
+
+class PerRequest:
+    """Mixin implementing ``start``: a shallow copy shares the weights and settings, then
+    ``reset`` gives the copy its own per-request fields (every one of them reassigned, never
+    mutated in place, so nothing of one request reaches another or the shared object).
+
+    Subclasses declare ``caps`` and implement ``reset(prompt_ids)``; one that aliases the
+    target cache overrides ``_bind``.
+    """
+
+    caps: ClassVar[ProposerCaps] = ProposerCaps()
+
+    def start(self, prompt_ids: list[int], target_cache: object | None = None):
+        state = copy.copy(self)
+        state._bind(target_cache)
+        state.reset(list(prompt_ids))
+        return state
+
+    def _bind(self, target_cache: object | None) -> None:
+        pass
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def finish(self, context: list[int]) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}

@@ -10,9 +10,10 @@ from specdecode.core.sampling import SamplingConfig, check_threshold, confident_
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.base import CausalLM
+from specdecode.proposers.base import PerRequest, ProposerCaps
 
 
-class DraftModelProposer:
+class DraftModelProposer(PerRequest):
     """Samples k tokens autoregressively from the draft with the target's sampling settings.
 
     ``confidence_threshold`` > 0 stops drafting before the first token whose draft top probability
@@ -25,6 +26,7 @@ class DraftModelProposer:
     """
 
     name = "draft"
+    caps = ProposerCaps(trees=True, batched_drafting=True, confidence=True)
 
     def __init__(
         self,
@@ -98,7 +100,7 @@ class DraftModelProposer:
 
     def propose_tree(self, context: list[int], k: int, max_nodes: int) -> list[list[int]]:
         """Candidate paths (best first) for tree verification; see the tree drafting notes below."""
-        if not getattr(self.model, "supports_tree", False):
+        if not self.model.caps.trees:
             raise ConfigError("tree drafting from a draft model needs a backend with attention masks (native)")
         logits = self._sync(context)[0]
         base = self.cache.length

@@ -20,6 +20,7 @@ from specdecode.core.sampling import SamplingConfig, check_threshold, confident_
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.static_cache import StaticKVCache
+from specdecode.proposers.base import PerRequest, ProposerCaps
 from specdecode.proposers.features import TargetFeatures
 
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
@@ -34,8 +35,9 @@ def shipped_head_dir(source: str | Path, kind: str = "eagle") -> Path:
     return DRAFTERS_DIR / drafter_name(source) / kind
 
 
-class EagleProposer(TargetFeatures):
+class EagleProposer(TargetFeatures, PerRequest):
     name = "eagle"
+    caps = ProposerCaps(trees=True, reads_target_features=True, confidence=True, needs_native=True)
 
     def __init__(self, target, head=None, path: str | Path | None = None, branch: int = 4,
                  confidence_threshold: float = 0.0) -> None:
@@ -43,7 +45,7 @@ class EagleProposer(TargetFeatures):
         probability is below it (EAGLE-2's observation: the head's confidence tracks acceptance)."""
         from specdecode.train.eagle import load_head
 
-        if getattr(target, "backend", None) != "native":
+        if not target.caps.hidden:
             raise ConfigError("EAGLE needs the native backend (it reads the target's hidden features)")
         if branch < 1:
             raise ConfigError(f"branch must be >= 1, got {branch}")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from specdecode.errors import ConfigError
+from specdecode.models.static_cache import LayerView, StaticKVCache
+from specdecode.proposers.base import ProposerCaps
 from specdecode.proposers.draft_model import DraftModelProposer
 
 DEFAULT_EXIT_FRACTION = 0.1  # of the target's layers: the best measured exit on SmolLM2 (BENCHMARKS.md)
@@ -19,7 +21,7 @@ DEFAULT_EXIT_FRACTION = 0.1  # of the target's layers: the best measured exit on
 
 def exit_model(target, layers: int):
     """A ``NativeCausalLM`` running only the target's first ``layers`` layers (shared tensors)."""
-    if getattr(target, "backend", None) != "native":
+    if target.backend != "native":
         raise ConfigError("early-exit needs the native backend (a Llama-family target)")
     total = len(target.weights.layers)
     if not 1 <= layers < total:
@@ -31,16 +33,18 @@ def exit_model(target, layers: int):
 
 class EarlyExitProposer(DraftModelProposer):
     name = "early-exit"
+    caps = ProposerCaps(trees=True, batched_drafting=True, confidence=True, shares_target_cache=True, needs_native=True)
 
     def __init__(self, target, layers: int | None = None, **options) -> None:
-        total = len(target.weights.layers) if hasattr(target, "weights") else 0
-        self.layers = layers or max(1, round(total * DEFAULT_EXIT_FRACTION))
+        if target.backend != "native":
+            raise ConfigError("early-exit needs the native backend (a Llama-family target)")
+        self.layers = layers or max(1, round(len(target.weights.layers) * DEFAULT_EXIT_FRACTION))
         super().__init__(exit_model(target, self.layers), **options)
         self.shared = None
 
-    def bind_target_cache(self, cache) -> None:
-        """Share the target cache's first L layers for this request (called by the decoder)."""
-        self.shared = cache.layer_view(self.layers) if hasattr(cache, "layer_view") else None
+    def _bind(self, target_cache) -> None:
+        """Share the target cache's first L layers for this request (the engine passes it to ``start``)."""
+        self.shared = target_cache.layer_view(self.layers) if isinstance(target_cache, StaticKVCache) else None
 
     def reset(self, prompt_ids: list[int]) -> None:
         super().reset(prompt_ids)
@@ -49,7 +53,7 @@ class EarlyExitProposer(DraftModelProposer):
             self.shared = None
 
     def _sync(self, context: list[int]):
-        if hasattr(self.cache, "follow_parent"):
+        if isinstance(self.cache, LayerView):
             # The target cache holds context[:parent length]; continue from there.
             self.cache.follow_parent()
             self.cached, self.agreed = list(context[: self.cache.length]), self.cache.length

@@ -1,9 +1,9 @@
 """The target's own last-layer features of the committed context, for proposers that read them.
 
 A feature-reading proposer (EAGLE, Medusa) needs the target's pre-norm last-layer feature f_i of
-committed positions. It gets them for free from the target's own forwards: the proposer installs
-itself as the native target's ``hidden_sink`` and, when it next drafts, keeps the rows of the
-forwards since (prefill, chain or tree verify, however many rounds it sat out: another proposer
+committed positions. It gets them for free from the target's own forwards: the engine hands it
+each forward of its request's target cache (``observe_forward``, the features the forward returns)
+and, when it next drafts, it keeps the rows of the forwards since (prefill, chain or tree verify, however many rounds it sat out: another proposer
 drafted, or speculation was off) whose tokens the committed context confirms. If a feature is
 missing anyway (a forward it did not see), it recomputes it with its own target forward on a
 private cache, so the drafts never depend on how the decoder is driven.
@@ -30,7 +30,6 @@ class TargetFeatures:
 
     def _watch(self, prompt_ids: list[int]) -> None:
         """Start recording the target's forwards for a new request."""
-        self.target.hidden_sink = self._record
         self._records: deque[tuple] = deque()
         self._pending = 0  # rows in _records
         self.feats = torch.empty(len(prompt_ids) + 256, self.hidden)
@@ -39,7 +38,10 @@ class TargetFeatures:
         self._own = None  # private target cache for features the sink missed
         self._own_len = 0
 
-    def _record(self, ids, positions, mask, hidden) -> None:
+    def observe_forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                        hidden: torch.Tensor) -> None:
+        """A target forward over this request's cache: ids [n], positions [n], its mask
+        ([n, length + n] bool, or None for causal) and its features hidden [n, hidden]."""
         self._records.append((ids, positions, mask, hidden))
         self._pending += len(ids)
         while self._pending > MAX_PENDING_ROWS and len(self._records) > 1:
@@ -92,16 +94,12 @@ class TargetFeatures:
             self._own_len = 0
         self._own.trim(min(self._own_len, self.nfeat, self._own.length))
         start = self._own.length
-        got: list[torch.Tensor] = []
-        saved = self.target.hidden_sink
-        self.target.hidden_sink = lambda _i, _p, _m, h: got.append(h)
-        try:
-            self.target.forward(torch.tensor([context[start:needed]]), self._own, last_only=True)
-        finally:
-            self.target.hidden_sink = saved
+        _, hidden = self.target.forward(
+            torch.tensor([context[start:needed]]), self._own, last_only=True, return_hidden=True
+        )
         self._own_len = needed
         self._ensure(needed)
-        self.feats[start:needed] = got[0].float()
+        self.feats[start:needed] = hidden
         self.known[start:needed] = True
         self.nfeat = max(self.nfeat, needed)
         while self.nfeat < self.known.shape[0] and self.known[self.nfeat]:

@@ -15,16 +15,18 @@ A feature-reading drafter picks up the target's forwards of lookup rounds when i
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specdecode.core.sampling import SamplingConfig
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
-from specdecode.proposers.base import Proposer
+from specdecode.proposers.base import PerRequest, Proposer, ProposerCaps
 from specdecode.proposers.ngram import lookup
 
 
-class HybridProposer:
+class HybridProposer(PerRequest):
     name = "hybrid"
 
     def __init__(self, drafter: Proposer, min_match: int = 2, max_ngram: int = 3) -> None:
@@ -33,11 +35,29 @@ class HybridProposer:
         if not 1 <= min_match <= max_ngram:
             raise ConfigError(f"need 1 <= min_match <= max_ngram, got {min_match}, {max_ngram}")
         self.drafter, self.min_match, self.max_ngram = drafter, min_match, max_ngram
-        self.rounds = {"lookup": 0, "drafter": 0, "short": 0}  # which source drafted, over the proposer's life
+        inner = drafter.caps
+        self.caps = ProposerCaps(  # chains only; what the drafter reads, the hybrid passes on
+            reads_target_features=inner.reads_target_features, confidence=True, needs_native=inner.needs_native,
+            shares_target_cache=inner.shares_target_cache,
+        )
+        self.rounds = {"lookup": 0, "drafter": 0, "short": 0}  # which source drafted, in this request
         self._source = "drafter"
 
-    def reset(self, prompt_ids: list[int]) -> None:
-        self.drafter.reset(prompt_ids)
+    def start(self, prompt_ids: list[int], target_cache: object | None = None) -> "HybridProposer":
+        state = copy.copy(self)
+        state.drafter = self.drafter.start(prompt_ids, target_cache)
+        state.rounds = dict.fromkeys(self.rounds, 0)
+        state._source = "drafter"
+        return state
+
+    def finish(self, context: list[int]) -> None:
+        self.drafter.finish(context)
+
+    def stats(self) -> dict:
+        return {"hybrid_rounds": dict(self.rounds), **self.drafter.stats()}
+
+    def observe_forward(self, ids, positions, mask, hidden) -> None:
+        self.drafter.observe_forward(ids, positions, mask, hidden)
 
     def propose(
         self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None

@@ -17,10 +17,12 @@ import torch
 from specdecode.core.sampling import SamplingConfig
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
+from specdecode.proposers.base import PerRequest, ProposerCaps
 
 
-class LookaheadProposer:
+class LookaheadProposer(PerRequest):
     name = "lookahead"
+    caps = ProposerCaps(trees=True, side_branch=True, tree_only=True)
 
     def __init__(self, window: int = 6, ngram: int = 4, max_per_key: int = 6) -> None:
         if window < 1 or ngram < 2 or max_per_key < 1:

@@ -29,11 +29,13 @@ import torch
 from specdecode.core.sampling import SamplingConfig, check_threshold, confident_prefix, logits_to_probs, sample, to_vocab
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
+from specdecode.proposers.base import PerRequest, ProposerCaps
 from specdecode.proposers.features import TargetFeatures
 
 
-class MedusaProposer(TargetFeatures):
+class MedusaProposer(TargetFeatures, PerRequest):
     name = "medusa"
+    caps = ProposerCaps(trees=True, reads_target_features=True, confidence=True, needs_native=True)
 
     def __init__(self, target, heads=None, path: str | Path | None = None, branch: int = 4,
                  confidence_threshold: float = 0.0) -> None:
@@ -42,7 +44,7 @@ class MedusaProposer(TargetFeatures):
         from specdecode.train.eagle import load_head
         from specdecode.train.medusa import MedusaHeads
 
-        if getattr(target, "backend", None) != "native":
+        if not target.caps.hidden:
             raise ConfigError("Medusa needs the native backend (it reads the target's hidden states)")
         if branch < 1:
             raise ConfigError(f"branch must be >= 1, got {branch}")

@@ -8,20 +8,19 @@ import torch
 from specdecode.core.sampling import SamplingConfig
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
+from specdecode.proposers.base import PerRequest, ProposerCaps
 
 
-class NgramProposer:
+class NgramProposer(PerRequest):
     """Deterministic drafts from prompt + output so far; longest n first (Saxena 2023)."""
 
     name = "ngram"
+    caps = ProposerCaps(trees=True)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def reset(self, prompt_ids: list[int]) -> None:
-        pass
 
     def propose(
         self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None

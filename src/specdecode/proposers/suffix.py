@@ -1,7 +1,7 @@
 """Suffix decoding (Oliaro et al. 2024, arXiv 2411.04975) over an online suffix automaton.
 
 Two automata are searched: one over this request (prompt + output so far, extended as tokens
-commit) and, optionally, one over a bounded per-process corpus of earlier requests' outputs. The
+commit) and, optionally, one over a bounded corpus of earlier requests' outputs (owned by the proposer, so per engine). The
 longest suffix of the context found in either is continued along its most frequent next tokens;
 drafts are deterministic (one-hot q), so the shared verifier keeps sampling exact.
 """
@@ -18,6 +18,7 @@ import torch
 from specdecode.core.sampling import SamplingConfig
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
+from specdecode.proposers.base import PerRequest, ProposerCaps
 
 
 class SuffixAutomaton:
@@ -153,19 +154,19 @@ class SuffixCorpus:
             self.automaton = SuffixAutomaton(self.count_depth)
 
 
-DEFAULT_CORPUS = SuffixCorpus()  # per process: earlier requests' outputs
-
-
-class SuffixProposer:
+class SuffixProposer(PerRequest):
     """Suffix decoding: continue the longest matched suffix along its most frequent tokens.
 
     At most ``min(k, ceil(max_spec_factor * match_length))`` tokens are drafted (match length
     capped at ``max_depth``), stopping when the path's empirical probability (product of
     next-token frequencies) falls below ``min_token_prob``. With ``use_corpus`` a request's output
-    joins ``corpus`` (default: the per-process one) when the proposer starts its next request.
+    joins ``corpus`` when it finishes. The corpus belongs to this proposer (so to the engine that
+    built it, shared by that engine's requests); pass one ``corpus`` to several proposers to
+    share it between engines. Nothing is shared per process.
     """
 
     name = "suffix"
+    caps = ProposerCaps(trees=True)
 
     def __init__(
         self,
@@ -182,7 +183,7 @@ class SuffixProposer:
                 f"got {max_depth}, {max_spec_factor}, {min_token_prob}, {count_depth}"
             )
         self.use_corpus = use_corpus
-        self.corpus = (corpus if corpus is not None else DEFAULT_CORPUS) if use_corpus else None
+        self.corpus = (corpus if corpus is not None else SuffixCorpus()) if use_corpus else None
         self.max_depth, self.max_spec_factor = max_depth, max_spec_factor
         self.min_token_prob, self.count_depth = min_token_prob, count_depth
         self.local: SuffixAutomaton | None = None
@@ -193,9 +194,11 @@ class SuffixProposer:
 
     # -- request lifecycle -----------------------------------------------------------------------
     def reset(self, prompt_ids: list[int]) -> None:
-        if self.corpus is not None and self.local is not None:
-            self.corpus.add(self.ids[self.prompt_len :])  # the previous request's output
         self._restart(prompt_ids)
+
+    def finish(self, context: list[int]) -> None:
+        if self.corpus is not None:
+            self.corpus.add(list(context[self.prompt_len :]))  # this request's output
 
     def _restart(self, prompt_ids: list[int]) -> None:
         self.local = SuffixAutomaton(self.count_depth)

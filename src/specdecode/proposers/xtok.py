@@ -17,11 +17,12 @@ import torch
 from specdecode.core.sampling import SamplingConfig
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
+from specdecode.proposers.base import PerRequest, ProposerCaps
 
 _DECODE = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
 
 
-class CrossTokenizerProposer:
+class CrossTokenizerProposer(PerRequest):
     """Greedy drafts from a model whose tokenizer differs from the target's.
 
     ``draft`` is a :class:`~specdecode.models.loading.LoadedModel` (model + tokenizer).
@@ -32,6 +33,7 @@ class CrossTokenizerProposer:
     """
 
     name = "xtok"
+    caps = ProposerCaps()
 
     def __init__(
         self,

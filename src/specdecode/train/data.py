@@ -219,14 +219,8 @@ def generate_responses(target, prompts: list[list[int]], max_new: int, batch: in
 @torch.inference_mode()
 def target_features(target, ids: list[int]) -> torch.Tensor:
     """The native target's pre-norm last-layer features for every position of ``ids`` [n, hidden]."""
-    got: list[torch.Tensor] = []
-    saved = target.hidden_sink
-    target.hidden_sink = lambda _ids, _pos, _mask, hidden: got.append(hidden)
-    try:
-        target.forward(torch.tensor([ids]), target.new_cache(len(ids) + 1), last_only=True)
-    finally:
-        target.hidden_sink = saved
-    return got[0]
+    _, hidden = target.forward(torch.tensor([ids]), target.new_cache(len(ids) + 1), last_only=True, return_hidden=True)
+    return hidden
 
 
 def build_dataset(

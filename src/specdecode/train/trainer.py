@@ -371,7 +371,6 @@ def heldout_acceptance(model_dir, make_proposer: Callable, prompts: int, max_new
         stats = decoder.generate(ids, GenerationConfig(max_new_tokens=max_new)).stats
         rounds += stats["target_calls"]
         tokens += round(stats["mean_accepted_length"] * stats["target_calls"])
-    loaded.model.hidden_sink = None  # a feature-reading proposer may have installed one
     return {"mean_accepted_length": round(tokens / max(rounds, 1), 3), "k": k, "prompts": prompts,
             "max_new_tokens": max_new, "decoding": "greedy, chain"}
 
