@@ -19,3 +19,7 @@ class IncompatibleDraftError(SpecDecodeError):
 
 class InputError(SpecDecodeError, ValueError):
     """A request is malformed: empty prompt, oversized request, bad JSON."""
+
+
+class QueueFullError(SpecDecodeError):
+    """The engine's queue of waiting requests is at its configured limit; try again later."""

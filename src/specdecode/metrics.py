@@ -32,6 +32,7 @@ class RequestMetrics:
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     histogram: dict[int, int] = field(default_factory=dict)  # accepted drafts per round -> rounds
+    queue_s: float = 0.0  # waiting for a slot (cache budget, batch size) before prefill began
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -73,6 +74,7 @@ class RequestMetrics:
                 _ratio(a, d) for a, d in zip(self.position_accepted, self.position_drafted)
             ],
             "accepted_length_histogram": {str(n): c for n, c in sorted(self.histogram.items())},
+            "queue_s": self.queue_s,
             "prefill_s": self.prefill_s,
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,

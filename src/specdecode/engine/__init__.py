@@ -1,5 +1,13 @@
-"""The decode loop: prefill once, then rounds of propose, verify, accept, trim caches, emit."""
+"""The engine: many requests in one batched forward per step, speculation chosen per request.
 
-from specdecode.engine.loop import Decoder, DecodeRun, GenerationConfig, GenerationResult, StreamEvent, TreeConfig
+``Engine`` runs requests; ``Decoder`` is the single-request view of it (a batch of one).
+"""
 
-__all__ = ["Decoder", "DecodeRun", "GenerationConfig", "GenerationResult", "StreamEvent", "TreeConfig"]
+from specdecode.engine.loop import Decoder, DecodeRun
+from specdecode.engine.request import GenerationConfig, GenerationResult, Speculation, StreamEvent, TreeConfig
+from specdecode.engine.scheduler import Engine, EngineConfig
+
+__all__ = [
+    "Decoder", "DecodeRun", "Engine", "EngineConfig", "GenerationConfig", "GenerationResult", "Speculation",
+    "StreamEvent", "TreeConfig",
+]

@@ -14,6 +14,7 @@ POLICIES = ("fixed", "heuristic", "confidence", "auto")
 class KPolicy(Protocol):
     name: str
     k_max: int
+    batch_planned: bool  # the engine picks k for the whole batch from this policy's live acceptance
 
     def reset(self) -> None:
         """Start a new request."""
@@ -30,6 +31,8 @@ class KPolicy(Protocol):
 
 class FixedK:
     """Always k (the draft model may still stop early when its confidence policy says so)."""
+
+    batch_planned = False
 
     def __init__(self, k: int, name: str = "fixed") -> None:
         self.k_max, self.name = k, name
@@ -48,6 +51,7 @@ class HeuristicK:
     """transformers' rule: +2 after a fully accepted round, -1 otherwise (never below 1)."""
 
     name = "heuristic"
+    batch_planned = False
 
     def __init__(self, k_max: int, k_start: int | None = None) -> None:
         self.k_max = k_max
@@ -124,6 +128,9 @@ class AutoK:
         self.k_max, self.ema, self.prior, self.margin = k_max, ema, prior, margin
         self.probe_every, self.probe_k = probe_every, min(probe_k, k_max)
         self.fixed_costs = costs
+        # In the engine, k comes from the batch planner (the measured cost of the whole step's
+        # forward); with costs given up front this policy chooses alone, as a single request would.
+        self.batch_planned = costs is None
         self.reset()
 
     def reset(self) -> None:

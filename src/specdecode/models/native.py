@@ -350,6 +350,8 @@ def _decoder(
     if hidden is not None:
         hidden.append(x)
     if last_rows is not None:
+        if not last_rows:  # no row needs logits (a prefill chunk): skip the output head
+            return x.new_zeros(0, weights.embed.shape[0])
         x = x[last_rows]
     return lin(_norm(x, weights.norm, d), weights.lm_head, None)
 
@@ -497,6 +499,7 @@ class NativeCausalLM:
         masks: list[torch.Tensor | None] | None = None,
         last_only: bool = False,
         return_hidden: bool = False,
+        keep: list[int] | None = None,
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Several sequences in one forward: append ``rows[r]`` ([n_r] ids, n_r >= 1) to ``caches[r]``.
 
@@ -505,7 +508,9 @@ class NativeCausalLM:
         ``positions[r]`` [n_r] and ``masks[r]`` [n_r, cache_r.length + n_r]) share one pass over
         the weights. Returns float32 logits [1, n_r, vocab] per row ([1, 1, vocab] with
         ``last_only``); each equals what the row gives alone (bitwise with prepacked matrices in
-        bf16). ``return_hidden`` also returns each row's pre-norm last-layer features [n_r, hidden].
+        bf16). ``keep[r]`` (0..n_r) returns only row r's last ``keep[r]`` logits ([1, keep[r], vocab];
+        0 for a prefill chunk skips the output head for it); it overrides ``last_only``.
+        ``return_hidden`` also returns each row's pre-norm last-layer features [n_r, hidden].
         A failed forward leaves every cache as it was.
         """
         if len(rows) != len(caches) or not rows:
@@ -526,17 +531,19 @@ class NativeCausalLM:
                 seqs.append(_Seq(cache.keys, cache.values, start, lo, lo + n, self._mask(start, n, m)))
                 pos.append(torch.arange(start, start + n) if p is None else p.reshape(n))
                 lo += n
-            last = [s.hi - 1 for s in seqs] if last_only else None
+            if keep is None:
+                keep = [1 if last_only else s.hi - s.lo for s in seqs]
+            last = [i for s, n in zip(seqs, keep) for i in range(s.hi - n, s.hi)]
             hidden: list[torch.Tensor] | None = [] if return_hidden else None
-            logits = self._run(torch.cat(ids), torch.cat(pos), seqs, last, hidden)
+            logits = self._run(torch.cat(ids), torch.cat(pos), seqs, None if len(last) == lo else last, hidden)
         except BaseException:
             for cache, start in done:
                 cache.trim(start)
             raise
-        if last_only:
-            out = [logits[i : i + 1].unsqueeze(0) for i in range(len(seqs))]
-        else:
-            out = [logits[s.lo : s.hi].unsqueeze(0) for s in seqs]
+        out, at = [], 0
+        for n in keep:
+            out.append(logits[at : at + n].unsqueeze(0))
+            at += n
         if not return_hidden:
             return out
         return out, [hidden[0][s.lo : s.hi].float() for s in seqs]

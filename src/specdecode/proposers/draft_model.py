@@ -55,48 +55,55 @@ class DraftModelProposer(PerRequest):
         self.cached = []
         self.agreed = 0
 
-    def _sync(self, context: list[int]) -> torch.Tensor:
-        """Trim the cache to its longest prefix agreeing with ``context``; feed the rest.
-
-        Returns the logits after the last context token ([1, vocab]).
-        """
+    def _fresh(self, context: list[int]) -> list[int]:
+        """Trim the cache to its longest prefix agreeing with ``context``; the tokens to feed."""
         # Context only grows by appending, so what agreed last round still agrees.
         keep = min(self.agreed, len(context) - 1)
         limit = min(len(self.cached), len(context) - 1)  # always refeed at least one token
         while keep < limit and self.cached[keep] == context[keep]:
             keep += 1
         self.cache.trim(keep)
-        fresh = context[keep:]
-        logits = self.model.forward(torch.tensor([fresh], dtype=torch.long), self.cache, last_only=True)
         self.cached = list(context)
         self.agreed = len(context)
-        return logits[:, -1]
+        return context[keep:]
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Bring the cache up to ``context``; the logits after its last token ([1, vocab])."""
+        fresh = self._fresh(context)
+        return self.model.forward(torch.tensor([fresh], dtype=torch.long), self.cache, last_only=True)[:, -1]
 
     def propose(
         self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None
     ) -> Draft:
         if k == 0:
             return Draft.empty()
+        chain = _Chain(self, k, sampling, generator)
         logits = self._sync(context)
-        tokens, probs = [], []
-        for i in range(k):
-            if confident_prefix(logits, self.confidence_threshold) == 0:
-                break
-            q = logits_to_probs(logits, sampling)  # [1, output columns]
-            j = q.argmax(-1) if sampling.greedy else sample(q, generator)
-            x = j if self.vocab_ids is None else self.vocab_ids[j]
-            tokens.append(x)
-            if not sampling.greedy:
-                probs.append(self._reported(q))
-            if i + 1 < k:
-                logits = self.model.forward(x.view(1, 1), self.cache)[:, -1]
-                self.cached.append(int(x))
-        if not tokens:
-            return Draft.empty()
-        return Draft(
-            tokens=torch.stack(tokens, dim=1),  # [1, k]
-            probs=None if sampling.greedy else torch.stack(probs, dim=1),  # [1, k, vocab]
-        )
+        while chain.pick(logits):
+            logits = self.model.forward(chain.tokens[-1].view(1, 1), self.cache)[:, -1]
+        return chain.draft()
+
+    def propose_batch(
+        self, states: list["DraftModelProposer"], contexts: list[list[int]], ks: list[int],
+        samplings: list[SamplingConfig], generators: list[torch.Generator | None],
+    ) -> list[Draft]:
+        """Every state's chain (states started from this proposer, so sharing its draft model),
+        with one multi-row draft forward per draft step; each chain is exactly what ``propose``
+        gives that state alone (the model's rows are computed as lone forwards would be)."""
+        if not self.model.caps.rows:
+            return [s.propose(c, k, sp, g) for s, c, k, sp, g in zip(states, contexts, ks, samplings, generators)]
+        chains = [_Chain(s, k, sp, g) for s, k, sp, g in zip(states, ks, samplings, generators)]
+        fresh = [s._fresh(c) for s, c in zip(states, contexts)]
+        out = self.model.forward_rows([torch.tensor(f) for f in fresh], [s.cache for s in states], last_only=True)
+        live = list(range(len(states)))
+        logits = {i: out[i][:, -1] for i in live}
+        while live:
+            live = [i for i in live if chains[i].pick(logits[i])]
+            if live:
+                out = self.model.forward_rows([chains[i].tokens[-1].view(1) for i in live],
+                                              [states[i].cache for i in live], last_only=True)
+                logits = {i: o[:, -1] for i, o in zip(live, out)}
+        return [c.draft() for c in chains]
 
     def propose_tree(self, context: list[int], k: int, max_nodes: int) -> list[list[int]]:
         """Candidate paths (best first) for tree verification; see the tree drafting notes below."""
@@ -124,6 +131,40 @@ class DraftModelProposer(PerRequest):
 
     def observe(self, num_accepted: int) -> None:
         pass  # the next _sync trims whatever the target rejected
+
+
+class _Chain:
+    """One chain being drafted: ``pick`` takes the next token from the draft's logits."""
+
+    def __init__(self, proposer: DraftModelProposer, k: int, sampling: SamplingConfig, generator) -> None:
+        self.p, self.k, self.sampling, self.generator = proposer, k, sampling, generator
+        self.tokens: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor] = []
+
+    def pick(self, logits: torch.Tensor) -> bool:
+        """Draft one token from ``logits`` [1, vocab]; True when the draft must be fed it for more."""
+        p = self.p
+        if confident_prefix(logits, p.confidence_threshold) == 0:
+            self.k = len(self.tokens)
+            return False
+        q = logits_to_probs(logits, self.sampling)  # [1, output columns]
+        j = q.argmax(-1) if self.sampling.greedy else sample(q, self.generator)
+        x = j if p.vocab_ids is None else p.vocab_ids[j]
+        self.tokens.append(x)
+        if not self.sampling.greedy:
+            self.probs.append(p._reported(q))
+        if len(self.tokens) < self.k:
+            p.cached.append(int(x))
+            return True
+        return False
+
+    def draft(self) -> Draft:
+        if not self.tokens:
+            return Draft.empty()
+        return Draft(
+            tokens=torch.stack(self.tokens, dim=1),  # [1, k]
+            probs=None if self.sampling.greedy else torch.stack(self.probs, dim=1),  # [1, k, vocab]
+        )
 
 
 # -- tree drafting -------------------------------------------------------------------------------

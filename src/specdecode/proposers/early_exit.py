@@ -52,9 +52,9 @@ class EarlyExitProposer(DraftModelProposer):
             self.cache = self.shared
             self.shared = None
 
-    def _sync(self, context: list[int]):
+    def _fresh(self, context: list[int]) -> list[int]:
         if isinstance(self.cache, LayerView):
             # The target cache holds context[:parent length]; continue from there.
             self.cache.follow_parent()
             self.cached, self.agreed = list(context[: self.cache.length]), self.cache.length
-        return super()._sync(context)
+        return super()._fresh(context)

@@ -1,0 +1,99 @@
+"""Batch-aware k: each step, every planned request's k in 0..k_max for the most committed tokens/s.
+
+A verify forward over N rows costs c(N), learnt from the engine's own steps. Request r drafting
+k_r tokens commits 1 + a_r(1) + ... + a_r(k_r) in expectation (a_r(i): its live probability that
+the first i drafts are all accepted) and costs d_r per drafted token. The step's rate is
+
+    (sum_r E_r(k_r)) / (c(N_other + sum_r (k_r + 1)) + sum_r d_r k_r)
+
+and k is raised one draft at a time, always where it helps the rate most, until no draft helps.
+Small batches on a flat c(N) then speculate fully; as the batch grows c(N) steepens, the extra
+rows stop paying, and speculation switches itself off (k = 0), with no table to tune.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class ForwardCosts:
+    """Seconds of one target forward over n rows: an EMA per row count, linear in between and
+    beyond (least-squares slope, never negative); before any measurement, a flat prior curve."""
+
+    def __init__(self, ema: float = 0.3, prior_slope: float = 0.02) -> None:
+        self.ema, self.prior_slope = ema, prior_slope
+        self.points: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.points.get(rows)
+        self.points[rows] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+
+    def __call__(self, rows: int) -> float:
+        pts = self.points
+        if rows in pts:
+            return pts[rows]
+        if not pts:
+            return 1.0 + self.prior_slope * (rows - 1)
+        xs = sorted(pts)
+        lower = [x for x in xs if x < rows]
+        upper = [x for x in xs if x > rows]
+        if lower and upper:
+            x0, x1 = lower[-1], upper[0]
+            return pts[x0] + (pts[x1] - pts[x0]) * (rows - x0) / (x1 - x0)
+        x0 = lower[-1] if lower else upper[0]
+        return max(pts[x0] + self.slope() * (rows - x0), 1e-9)
+
+    def slope(self) -> float:
+        """Extra seconds per extra row (least squares over the measured row counts)."""
+        xs = list(self.points)
+        if len(xs) < 2:
+            t = next(iter(self.points.values()), 1.0)
+            return self.prior_slope * t
+        mx = sum(xs) / len(xs)
+        my = sum(self.points.values()) / len(xs)
+        var = sum((x - mx) ** 2 for x in xs)
+        cov = sum((x - mx) * (self.points[x] - my) for x in xs)
+        return max(cov / var, 0.0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A request the planner chooses k for: cumulative acceptance a(1..k_max), draft s/token."""
+
+    accept_by_position: Sequence[float]
+    draft_s_per_token: float
+    k_max: int
+    k_min: int = 0  # a probe: at least this many drafts (to re-measure acceptance)
+
+
+def plan(candidates: Sequence[Candidate], other_rows: int, other_tokens: float, costs: ForwardCosts) -> list[int]:
+    """k for each candidate, maximising the step's predicted committed tokens per second.
+
+    ``other_rows``/``other_tokens``: rows and expected tokens of the step's other requests
+    (prefill chunks, requests with their own fixed k). Greedy on marginal gains: acceptance
+    never rises with depth, so each request's extra drafts are worth less and less.
+    """
+    ks = [c.k_min for c in candidates]
+    tokens = other_tokens + sum(1 + sum(c.accept_by_position[:k]) for c, k in zip(candidates, ks))
+    rows = other_rows + sum(k + 1 for k in ks)
+    draft = sum(c.draft_s_per_token * k for c, k in zip(candidates, ks))
+    rate = tokens / (costs(rows) + draft)
+    while True:
+        best, best_rate = -1, rate
+        step_cost = costs(rows + 1)
+        for i, c in enumerate(candidates):
+            k = ks[i]
+            if k >= c.k_max:
+                continue
+            r = (tokens + c.accept_by_position[k]) / (step_cost + draft + c.draft_s_per_token)
+            if r > best_rate * (1 + 1e-9):
+                best, best_rate = i, r
+        if best < 0:
+            return ks
+        c = candidates[best]
+        tokens += c.accept_by_position[ks[best]]
+        draft += c.draft_s_per_token
+        rows += 1
+        ks[best] += 1
+        rate = best_rate

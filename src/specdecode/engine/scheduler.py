@@ -1,0 +1,295 @@
+"""The engine: many requests, one target forward per step, speculation chosen per request.
+
+Every step is one forward over every running request's rows: prefill chunks of new requests,
+the last token alone for requests not speculating this step, and k+1-token chains (or trees) of
+different k, each over that request's own cache. Acceptance is ragged: each request commits its
+own accepted prefix plus one token and trims only its own cache. Requests join and leave between
+steps (continuous batching). A step reads as its stages:
+
+    schedule -> plan k -> propose -> verify (one forward) -> accept + trim -> emit
+
+A single request is a batch of one on the same engine (:class:`specdecode.engine.Decoder`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdecode.engine.planner import Candidate, ForwardCosts, plan
+from specdecode.engine.request import (
+    DONE, PREFILL, RUNNING, WAITING, GenerationConfig, GenerationResult, Request, Row, Speculation,
+)
+from specdecode.errors import ConfigError, InputError, QueueFullError
+from specdecode.models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine-wide limits (per-request settings live in GenerationConfig and Speculation).
+
+    ``kv_budget``: cache positions reserved across running requests (None: unbounded); a
+    request reserves prompt + max new tokens + one round of drafts when admitted, so caches
+    never grow or move mid-flight, and waits in the queue while the budget is short.
+    ``prefill_chunk``: prompt tokens fed per step across prefilling requests; a prompt is cut
+    into chunks of this size at fixed offsets (so its cache is the same whatever else runs)
+    and at least one chunk moves every step.
+    """
+
+    max_batch: int = 32
+    kv_budget: int | None = None
+    prefill_chunk: int = 512
+    max_queue: int | None = None
+    probe_every: int = 8  # planned steps at k = 0 before a short probe re-measures acceptance
+    probe_k: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "prefill_chunk", "probe_every", "probe_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("kv_budget", "max_queue"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be an integer >= 1 or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step ran: for reports of k by batch size and of the forward-cost curve."""
+
+    batch: int  # requests decoding (not prefilling) in the step
+    rows: int  # rows of the forward
+    ks: tuple[int, ...]  # drafts per decoding request
+    forward_s: float
+
+
+class Engine:
+    """Runs requests over one shared target. Not thread-safe: one caller drives ``step``."""
+
+    def __init__(
+        self, target: CausalLM, *, eos_token_ids: Iterable[int] = (), tokenizer: Any = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.target, self.tokenizer = target, tokenizer
+        self.eos = frozenset(eos_token_ids)
+        self.config = config or EngineConfig()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.reserved = 0  # cache positions held by running requests
+        self.costs = ForwardCosts()
+        self.steps: list[StepRecord] = []
+        self._next_id = 0
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
+               spec: Speculation | None = None) -> Request:
+        """Queue a request; InputError if it can never run, QueueFullError if the queue is full."""
+        spec = spec or Speculation()
+        spec.check(self.target)
+        request = Request(self._next_id, [int(t) for t in prompt_ids], config or GenerationConfig(), spec,
+                          self.target, self.eos, self.tokenizer)
+        budget = self.config.kv_budget
+        if budget is not None and request.capacity > budget:
+            raise InputError(f"request needs {request.capacity} cache positions; the engine's KV budget is {budget}")
+        if self.config.max_queue is not None and len(self.waiting) >= self.config.max_queue:
+            raise QueueFullError(f"the queue is full ({self.config.max_queue} requests waiting)")
+        self._next_id += 1
+        self.waiting.append(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request; its cache is freed before the next step's forward."""
+        request.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self) -> None:
+        """Step until every submitted request has finished."""
+        while self.busy:
+            self.step()
+
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None,
+                 spec: Speculation | None = None) -> list[GenerationResult]:
+        """Every prompt's result (in order), all run together."""
+        requests = [self.submit(p, config, spec) for p in prompts]
+        self.run()
+        return [r.result for r in requests]
+
+    def kv_usage(self) -> dict[str, float]:
+        """Cache positions reserved and filled by running requests, against the budget."""
+        used = sum(r.cache.length for r in self.running if r.cache is not None)
+        budget = self.config.kv_budget
+        return {"reserved": self.reserved, "used": used, "budget": budget or 0,
+                "usage": self.reserved / budget if budget else 0.0}
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One forward over every running request; the requests that emitted or finished."""
+        self._schedule()
+        if not self.running:
+            return []
+        rows = self._prefill_rows()
+        decoding = [r for r in self.running if r.status == RUNNING and not r.finished]
+        self._plan(decoding, sum(row.ids.numel() for row in rows))
+        self._propose(decoding)
+        rows += [r.row() for r in decoding]
+        t = time.perf_counter()
+        logits, hidden = self._verify(rows)
+        forward_s = time.perf_counter() - t
+        n_rows = sum(row.ids.numel() for row in rows)
+        if decoding:
+            self.costs.observe(n_rows, forward_s)
+            self.steps.append(StepRecord(len(decoding), n_rows, tuple(r.k for r in decoding), forward_s))
+        touched = self._accept(rows, logits, hidden, forward_s)
+        self._retire()
+        return touched
+
+    def _schedule(self) -> None:
+        """Free cancelled requests, then admit waiting ones while the batch and budget allow."""
+        for r in [r for r in self.running if r.cancelled]:
+            self._close(r)
+        self.running = [r for r in self.running if r.status != DONE]
+        for r in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(r)
+            r.finish()
+        budget = self.config.kv_budget
+        while self.waiting and len(self.running) < self.config.max_batch:
+            r = self.waiting[0]
+            if budget is not None and self.reserved + r.capacity > budget:
+                break  # first come, first served: later requests wait too
+            self.waiting.popleft()
+            r.admit()
+            self.reserved += r.capacity
+            self.running.append(r)
+
+    def _prefill_rows(self) -> list[Row]:
+        """Prompt chunks for this step, first come first served, within the token budget."""
+        rows, left = [], self.config.prefill_chunk
+        for r in self.running:
+            if r.status != PREFILL or r.cancelled:
+                continue
+            if rows and left < min(self.config.prefill_chunk, len(r.prompt_ids) - 1 - r.fed):
+                break  # whole chunks only (fixed offsets); at least one per step
+            row = r.prefill_row(self.config.prefill_chunk)
+            if row is not None:
+                rows.append(row)
+                left -= row.ids.numel()
+        return rows
+
+    def _plan(self, decoding: list[Request], prefill_rows: int) -> None:
+        """Each decoding request's k: its own policy's, or the batch planner's (policy auto)."""
+        planned, other_rows, other_tokens = [], prefill_rows, 0.0
+        for r in decoding:
+            if r.spec.batch_planned:
+                planned.append(r)
+                continue
+            r.k = r.policy_k()
+            other_rows += r.k + 1
+            other_tokens += max(r.metrics.committed_tokens / max(r.metrics.target_calls, 1), 1.0)
+        if not planned:
+            return
+        candidates = []
+        for r in planned:
+            k_max = r.clip(r.policy.k_max)
+            probe = r.off_steps + 1 >= self.config.probe_every
+            candidates.append(Candidate(
+                r.policy.accept_by_position(), self._draft_cost(r), k_max,
+                min(self.config.probe_k, k_max) if probe else 0,
+            ))
+        for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.costs)):
+            r.k = k
+            r.off_steps = r.off_steps + 1 if k == 0 else 0
+
+    def _draft_cost(self, r: Request) -> float:
+        """Seconds per drafted token: this request's own measurements, else a small share of c(1)."""
+        m = r.metrics
+        if m.drafted_tokens:
+            return m.draft_s / m.drafted_tokens
+        return 0.05 * self.costs(1)
+
+    def _propose(self, decoding: list[Request]) -> None:
+        """Draft every request's candidates; a proposer that declares batched drafting gets all of
+        its requests' chains in one call (one multi-row draft forward per draft step)."""
+        groups: dict[int, list[Request]] = {}
+        for r in decoding:
+            if r.k > 0 and r.spec.tree is None and r.shadow is None and r.proposer.caps.batched_drafting:
+                groups.setdefault(id(r.spec.proposer), []).append(r)
+            else:
+                r.propose()
+        for group in groups.values():
+            t = time.perf_counter()
+            drafts = group[0].spec.proposer.propose_batch(
+                [r.proposer for r in group], [r.context for r in group], [r.k for r in group],
+                [r.config.sampling for r in group], [r.generator for r in group],
+            )
+            share = (time.perf_counter() - t) / len(group)
+            for r, draft in zip(group, drafts):
+                r.set_draft(draft)
+                r.drafted(share)
+
+    def _verify(self, rows: list[Row]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """One target forward over every row; logits [keep, vocab] and (when read) features per row."""
+        target = self.target
+        want_hidden = any(row.request.reads_features for row in rows)
+        if target.caps.rows:
+            out = target.forward_rows(
+                [row.ids for row in rows], [row.request.cache for row in rows],
+                [row.positions for row in rows], [row.mask for row in rows],
+                keep=[row.keep for row in rows], return_hidden=want_hidden,
+            )
+            logits, hidden = out if want_hidden else (out, [None] * len(rows))
+            return [lg[0] for lg in logits], hidden
+        logits, hidden = [], []
+        for row in rows:  # a model without multi-row forwards: one forward per row, same results
+            tree = {} if row.positions is None else {"positions": row.positions[None], "attn_mask": row.mask}
+            out = target.forward(row.ids[None], row.request.cache, last_only=row.keep <= 1, **tree)
+            logits.append(out[0, out.shape[1] - row.keep :])
+            hidden.append(None)
+        return logits, hidden
+
+    def _accept(self, rows: list[Row], logits: list[torch.Tensor], hidden: list, forward_s: float) -> list[Request]:
+        touched = []
+        for row, lg, h in zip(rows, logits, hidden):
+            r = row.request
+            if r.reads_features:
+                r.observe_forward(row, h)
+            if row.keep == 0:  # a prefill chunk
+                r.prefilled(forward_s)
+                continue
+            event = r.absorb(lg, forward_s)
+            if event.token_ids or event.text:
+                r.events.append(event)
+            touched.append(r)
+        return touched
+
+    def _retire(self) -> None:
+        for r in self.running:
+            if r.finished:
+                self._close(r)
+        self.running = [r for r in self.running if r.status != DONE]
+
+    def _close(self, r: Request) -> None:
+        r.finish()
+        r.free()
+        self.reserved -= r.capacity
+
+    # -- reports ---------------------------------------------------------------------------------
+    def k_by_batch_size(self) -> dict[int, float]:
+        """Mean drafts per decoding request, by how many requests were decoding in the step."""
+        sums: dict[int, list[float]] = {}
+        for s in self.steps:
+            acc = sums.setdefault(s.batch, [0.0, 0])
+            acc[0] += sum(s.ks)
+            acc[1] += len(s.ks)
+        return {b: total / n for b, (total, n) in sorted(sums.items())}
+
+
+__all__ = ["Engine", "EngineConfig", "StepRecord", "WAITING", "PREFILL", "RUNNING", "DONE"]
