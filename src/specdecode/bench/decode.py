@@ -200,14 +200,14 @@ def forward_curve(model: Any, reps: int, context: int = CURVE_CONTEXT) -> dict[s
 
 def batch_throughput(model: Any, prompts: list[Prompt], n: int, sizes: tuple[int, ...] = BATCH_SIZES) -> dict[int, float]:
     """Aggregate tok/s of all prompts decoded together (continuous batching, at most ``size`` at once)."""
-    from specdecode.engine.batch import generate_batch
+    from specdecode.engine import Engine, EngineConfig, GenerationConfig
 
     ids = [p.ids for p in prompts]
     out = {}
     for size in sizes:
         t = time.perf_counter()
-        tokens = generate_batch(model, ids, n, max_batch=size)
-        out[size] = sum(map(len, tokens)) / (time.perf_counter() - t)
+        results = Engine(model, config=EngineConfig(max_batch=size)).generate(ids, GenerationConfig(max_new_tokens=n))
+        out[size] = sum(len(r.token_ids) for r in results) / (time.perf_counter() - t)
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,11 +116,20 @@ class Engine:
         while self.busy:
             self.step()
 
-    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None,
-                 spec: Speculation | None = None) -> list[GenerationResult]:
-        """Every prompt's result (in order), all run together."""
-        requests = [self.submit(p, config, spec) for p in prompts]
-        self.run()
+    def generate(
+        self, prompts: Sequence[Sequence[int]], config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+        spec: Speculation | None = None, on_step: Callable[[int], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Every prompt's result (in order), all run together; ``config`` is one for all or one
+        per prompt; ``on_step(n_finished)`` after each step (progress bars)."""
+        configs = config if isinstance(config, Sequence) else [config] * len(prompts)
+        if len(configs) != len(prompts):
+            raise ConfigError(f"got {len(configs)} configs for {len(prompts)} prompts")
+        requests = [self.submit(p, c, spec) for p, c in zip(prompts, configs)]
+        while self.busy:
+            self.step()
+            if on_step is not None:
+                on_step(sum(r.result is not None for r in requests))
         return [r.result for r in requests]
 
     def kv_usage(self) -> dict[str, float]:

@@ -3,7 +3,7 @@
 Two prompt sources, both generated locally:
 
 * instructions made from templates x topics (:func:`instruction_prompts`), answered by the target
-  itself (continuously batched greedy decoding, :mod:`specdecode.engine.batch`);
+  itself (continuously batched greedy decoding on :class:`specdecode.engine.Engine`);
 * user turns written by the target itself (self-instruct, as in Magpie: sampled continuations of
   the chat template's empty user turn, :func:`self_instruct_prompts`), answered by the target;
 * chunks of the Python standard library's source on disk (code and docstrings), teacher-forced
@@ -170,20 +170,24 @@ def self_instruct_prompts(target, tokenizer, n: int, seed: int, eos: tuple[int, 
     than ``n`` come back when the target keeps repeating itself or has no chat template.
     """
     from specdecode.core.sampling import SamplingConfig
-    from specdecode.engine.batch import generate_batch
+    from specdecode.engine import Engine, EngineConfig, GenerationConfig
 
     prefix = user_turn_prefix(tokenizer)
     if prefix is None or n <= 0:
         return []
-    generator = torch.Generator().manual_seed(seed)
+    sampling = SamplingConfig(temperature=1.0, top_p=0.95)
+    engine = Engine(target, eos_token_ids=eos, config=EngineConfig(max_batch=batch))
     out: dict[str, None] = {}  # ordered set
+    drawn = 0
     for _ in range(8):
         want = n - len(out)
         if want <= 0:
             break
-        turns = generate_batch(target, [prefix] * (want + want // 4 + 1), max_tokens, eos_token_ids=eos,
-                               sampling=SamplingConfig(temperature=1.0, top_p=0.95), max_batch=batch,
-                               generator=generator)
+        m = want + want // 4 + 1
+        configs = [GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed * 1_000_003 + drawn + i)
+                   for i in range(m)]
+        drawn += m
+        turns = [r.token_ids for r in engine.generate([prefix] * m, configs)]
         for t in turns:
             if t and t[-1] in eos:
                 text = tokenizer.decode(t[:-1]).strip()
@@ -208,11 +212,13 @@ def generate_responses(target, prompts: list[list[int]], max_new: int, batch: in
     """
     from tqdm import tqdm
 
-    from specdecode.engine.batch import generate_batch
+    from specdecode.engine import Engine, EngineConfig, GenerationConfig
 
+    engine = Engine(target, eos_token_ids=eos, config=EngineConfig(max_batch=batch))
     with tqdm(total=len(prompts), desc="generate", disable=not progress) as bar:
-        outs = generate_batch(target, prompts, max_new, eos_token_ids=eos, max_batch=batch,
-                              on_step=lambda done: bar.update(done - bar.n))
+        results = engine.generate(prompts, GenerationConfig(max_new_tokens=max_new),
+                                  on_step=lambda done: bar.update(done - bar.n))
+    outs = [r.token_ids for r in results]
     return [p + o for p, o in zip(prompts, outs)]
 
 
