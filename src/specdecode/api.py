@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from specdecode.core.sampling import SamplingConfig
-from specdecode.engine import Decoder, GenerationConfig, GenerationResult, TreeConfig
+from specdecode.engine import Decoder, EngineConfig, GenerationConfig, GenerationResult, TreeConfig
 from specdecode.engine.policy import make_policy
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import COMPOSED, CONFIDENCE_METHODS, FALLBACK, METHODS, TRAINED, TREE_ONLY
@@ -227,6 +227,15 @@ class SpeculativeGenerator:
         """
         ids, config = self._prepare(prompt, **kwargs)
         return self.decoder.generate(ids, config)
+
+    def generate_many(
+        self, prompts: list[str | list[int]], *, max_batch: int = 32, **kwargs: Any
+    ) -> list[GenerationResult]:
+        """Many prompts in one batched engine with this generator's settings (same arguments as
+        :meth:`generate`); each result is exactly what :meth:`generate` gives that prompt alone."""
+        prepared = [self._prepare(p, **kwargs) for p in prompts]
+        engine = self.decoder.engine(EngineConfig(max_batch=max_batch))
+        return engine.generate([ids for ids, _ in prepared], [cfg for _, cfg in prepared], self.decoder.spec)
 
     def stream(self, prompt: str | list[int], **kwargs: Any) -> Iterator[str]:
         """Yield text pieces as tokens commit (same arguments as :meth:`generate`)."""

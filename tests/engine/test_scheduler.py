@@ -22,6 +22,7 @@ from specdecode.engine.policy import make_policy
 from specdecode.engine.request import DONE, PREFILL, RUNNING, WAITING
 from specdecode.errors import ConfigError, InputError, QueueFullError
 from specdecode.proposers import DraftModelProposer, NgramProposer
+from specdecode.proposers.early_exit import EarlyExitProposer
 from specdecode.proposers.suffix import SuffixProposer
 
 N_SAMPLES = 3_000
@@ -62,13 +63,15 @@ def mixed_specs(target, draft) -> list[Speculation]:
         Speculation(SuffixProposer(use_corpus=False), k=4),
         Speculation(NgramProposer(), policy=make_policy("auto", 6)),
         Speculation(NgramProposer(), k=3, tree=TreeConfig(max_nodes=8)),
+        Speculation(EarlyExitProposer(target, layers=1), k=3),  # drafts on the target cache's first layer
+        Speculation(DraftModelProposer(draft), k=2, shadow=True),
     ]
 
 
 def test_mixed_speculation_in_one_batch_is_greedy_identical():
     target, draft = tiny_native(vocab=8, seed=5, layers=3), tiny_native(vocab=8, seed=6, layers=1)
     ps = [[1, 2, 3, 4, 1, 2, 3, 0, 1, 2], [5, 6, 5, 6, 5], [7], [3, 3, 1, 2, 3, 3, 1], [0, 1, 2, 3], [2, 4, 2, 4, 2, 4],
-          [6, 1, 6, 1]]
+          [6, 1, 6, 1], [1, 1, 2, 2], [3, 4, 5]]
     specs = mixed_specs(target, draft)
     expected = [alone(target, p, 24) for p in ps]
     engine = Engine(target)
@@ -82,6 +85,7 @@ def test_mixed_speculation_in_one_batch_is_greedy_identical():
     assert any(len(set(s.ks)) > 1 for s in engine.steps)  # different k in one forward
     draft_rounds = requests[3].result.stats["target_calls"]
     assert requests[3].result.stats["mean_accepted_length"] > 0 and draft_rounds < 24
+    assert requests[8].result.stats["shadow_rounds"] > 0 and requests[8].result.stats["target_calls"] == 24
 
 
 def test_batched_drafting_matches_drafting_alone():
