@@ -9,7 +9,7 @@ import pytest
 
 from helpers import save_tiny_llama
 from specdecode.api import SpeculativeGenerator, best_method, shipped_drafters
-from specdecode.proposers import eagle as eagle_mod
+from specdecode.networks import storage
 
 TARGET = SimpleNamespace(source="/models/Tiny-Chat.Q4_1-abc123")  # drafter folder name: tiny-chat
 
@@ -23,7 +23,7 @@ def ship(root, method: str, speedup: float, ngram: float = 1.2) -> None:
 
 @pytest.fixture
 def drafters(tmp_path, monkeypatch):
-    monkeypatch.setattr(eagle_mod, "DRAFTERS_DIR", tmp_path)
+    monkeypatch.setattr(storage, "DRAFTERS_DIR", tmp_path)
     return tmp_path
 
 

@@ -21,7 +21,7 @@ def shipped_drafters(target: LoadedModel, methods: tuple[str, ...] = TRAINED) ->
     such as the hybrid ship a card of measurements only); empty for targets without any."""
     import json
 
-    from specdecode.proposers.eagle import shipped_head_dir
+    from specdecode.networks.storage import shipped_head_dir
 
     cards = {}
     for method in methods:
@@ -74,7 +74,7 @@ def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | N
     if method == "ngram":
         return NgramProposer(**options)
     if method == "draft":
-        from specdecode.train.draft_model import is_distilled, load_distilled, shipped_draft
+        from specdecode.networks.draft_model import is_distilled, load_distilled, shipped_draft
 
         if draft is None or (not isinstance(draft, LoadedModel) and is_distilled(draft)):
             # The distilled draft shipped for this target, or one from `specdecode train draft-model`.
@@ -127,7 +127,7 @@ def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | N
 def _trained_dir(method: str, target: LoadedModel, draft: Any, options: dict) -> str:
     """The folder of ``method``'s trained drafter: ``path`` / ``draft`` when given, else the one
     shipped for ``target``; ConfigError when it holds no weights."""
-    from specdecode.proposers.eagle import shipped_head_dir
+    from specdecode.networks.storage import shipped_head_dir
 
     path = options.pop("path", None) or (draft if isinstance(draft, (str, os.PathLike)) else None)
     path = str(path or shipped_head_dir(target.source, method))

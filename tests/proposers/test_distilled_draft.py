@@ -14,9 +14,8 @@ from specdecode.engine import Decoder, GenerationConfig, TreeConfig
 from specdecode.errors import ConfigError
 from specdecode.models.loading import LoadedModel
 from specdecode.proposers import DraftModelProposer
-from specdecode.proposers.eagle import DRAFTERS_DIR
-from specdecode.train.draft_model import MATRICES, DistilledDraft, DraftConfig, ReducedVocabLM, load_distilled
-from specdecode.train.eagle import load_head
+from specdecode.networks.draft_model import MATRICES, DistilledDraft, DraftConfig, ReducedVocabLM, load_distilled
+from specdecode.networks.storage import DRAFTERS_DIR, load_head
 
 N_SAMPLES = 3_000  # the broken variant below fails outright (p = 0); kept small for speed
 PROMPT = [1, 2, 3, 1, 2, 0, 1]

@@ -11,9 +11,10 @@ import torch
 from helpers import ALPHA, greedy_draft_lengths, proposer_pvalue, started_states, tiny_native
 from specdecode.core.sampling import SamplingConfig, logits_to_probs
 from specdecode.engine import Decoder, GenerationConfig, TreeConfig
-from specdecode.proposers.eagle import DRAFTERS_DIR, EagleProposer
+from specdecode.networks.eagle_head import EagleHead, HeadConfig
+from specdecode.networks.storage import DRAFTERS_DIR, load_head
+from specdecode.proposers.eagle import EagleProposer
 from specdecode.train.data import target_features
-from specdecode.train.eagle import EagleHead, HeadConfig, load_head
 
 N_SAMPLES = 20_000
 SHIPPED = DRAFTERS_DIR / "smollm2-135m-instruct" / "eagle"

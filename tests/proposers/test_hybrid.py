@@ -136,7 +136,7 @@ def test_shipped_hybrid_greedy_identity_on_real_model():
 def test_shipped_hybrid_card_names_a_shipped_drafter():
     import json
 
-    from specdecode.proposers.eagle import DRAFTERS_DIR
+    from specdecode.networks.storage import DRAFTERS_DIR
 
     folder = DRAFTERS_DIR / "smollm2-135m-instruct"
     card = json.loads((folder / "hybrid" / "card.json").read_text())

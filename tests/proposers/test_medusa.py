@@ -13,11 +13,10 @@ from helpers import ALPHA, greedy_draft_lengths, proposer_pvalue, tiny_native
 from specdecode.core.sampling import SamplingConfig, logits_to_probs
 from specdecode.engine import Decoder, GenerationConfig, TreeConfig
 from specdecode.errors import ConfigError
-from specdecode.proposers.eagle import DRAFTERS_DIR
+from specdecode.networks.medusa_heads import MedusaConfig, MedusaHeads
+from specdecode.networks.storage import DRAFTERS_DIR, load_head
 from specdecode.proposers.medusa import MedusaProposer
 from specdecode.train.data import target_features
-from specdecode.train.eagle import load_head
-from specdecode.train.medusa import MedusaConfig, MedusaHeads
 
 N_SAMPLES = 2_000  # enough to catch a wrong q at ALPHA (p ~ 0 at 3000), fast enough to run always
 SHIPPED = DRAFTERS_DIR / "smollm2-135m-instruct" / "medusa"

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from helpers import save_tiny_llama
-from specdecode.train.eagle import load_head
-from specdecode.train.medusa import LOSS_DECAY, MedusaConfig, MedusaHeads, medusa_loss
+from specdecode.networks.medusa_heads import MedusaConfig, MedusaHeads
+from specdecode.networks.storage import load_head
+from specdecode.train.medusa import LOSS_DECAY, medusa_loss
 from specdecode.train.medusa_trainer import train_medusa
 
 

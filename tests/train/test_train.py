@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import save_tiny_llama
+from specdecode.networks.storage import load_head
 from specdecode.train import data
-from specdecode.train.eagle import load_head
 from specdecode.train.trainer import train_eagle
 
 
@@ -83,7 +83,8 @@ def test_unrolled_predictions_match_drafting_from_a_cache():
     """Depth d at position i must see exactly what the drafting cache holds (training-time test)."""
     from helpers import tiny_native
     from specdecode.models.static_cache import StaticKVCache
-    from specdecode.train.eagle import EagleHead, HeadConfig, unrolled_predictions
+    from specdecode.networks.eagle_head import EagleHead, HeadConfig
+    from specdecode.train.eagle import unrolled_predictions
 
     target = tiny_native(vocab=6, seed=5, layers=3)
     torch.manual_seed(0)

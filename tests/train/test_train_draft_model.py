@@ -9,9 +9,10 @@ import torch
 
 from helpers import save_tiny_llama
 from specdecode.engine import Decoder, GenerationConfig
-from specdecode.train.draft_model import DistilledDraft, same_sequence
+from specdecode.networks.draft_model import DistilledDraft
+from specdecode.networks.storage import load_head
+from specdecode.train.draft_model import same_sequence
 from specdecode.train.draft_trainer import train_draft_model
-from specdecode.train.eagle import load_head
 
 
 @pytest.fixture(scope="module")

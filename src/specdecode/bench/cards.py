@@ -70,7 +70,7 @@ def record(results_path: str | Path, drafters_dir: str | Path | None = None,
            methods: tuple[str, ...] | None = None) -> list[Path]:
     """Update the cards of the drafters shipped for the run's target (only ``methods`` when given,
     so a run that measured some drafters leaves the others' blocks alone); the cards written."""
-    from specdecode.proposers import eagle as eagle_mod
+    from specdecode.networks import storage
 
     path = Path(results_path)
     path = path / "results.json" if path.is_dir() else path
@@ -80,8 +80,8 @@ def record(results_path: str | Path, drafters_dir: str | Path | None = None,
         results = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}: malformed JSON ({exc.msg}, line {exc.lineno})") from None
-    root = Path(drafters_dir) if drafters_dir else eagle_mod.DRAFTERS_DIR
-    folder = root / eagle_mod.drafter_name(results["config"]["target"])
+    root = Path(drafters_dir) if drafters_dir else storage.DRAFTERS_DIR
+    folder = root / storage.drafter_name(results["config"]["target"])
     written = []
     for method, block in benchmark_blocks(results).items():
         if methods is not None and method not in methods:

@@ -20,20 +20,9 @@ from specdecode.core.sampling import SamplingConfig, check_threshold, confident_
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.static_cache import StaticKVCache
+from specdecode.networks.storage import load_head
 from specdecode.proposers.base import PerRequest, ProposerCaps
 from specdecode.proposers.features import TargetFeatures
-
-DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
-
-
-def drafter_name(source: str | Path) -> str:
-    """The drafter folder name of a model folder: 'SmolLM2-135M-Instruct.Q4_1-<hash>' -> 'smollm2-135m-instruct'."""
-    return Path(str(source)).name.split(".")[0].lower()
-
-
-def shipped_head_dir(source: str | Path, kind: str = "eagle") -> Path:
-    return DRAFTERS_DIR / drafter_name(source) / kind
-
 
 class EagleProposer(TargetFeatures, PerRequest):
     name = "eagle"
@@ -43,8 +32,6 @@ class EagleProposer(TargetFeatures, PerRequest):
                  confidence_threshold: float = 0.0) -> None:
         """``confidence_threshold`` > 0: a chain stops before the first draft token whose head top
         probability is below it (EAGLE-2's observation: the head's confidence tracks acceptance)."""
-        from specdecode.train.eagle import load_head
-
         if not target.caps.hidden:
             raise ConfigError("EAGLE needs the native backend (it reads the target's hidden features)")
         if branch < 1:

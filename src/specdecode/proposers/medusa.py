@@ -29,6 +29,8 @@ import torch
 from specdecode.core.sampling import SamplingConfig, check_threshold, confident_prefix, logits_to_probs, sample, to_vocab
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
+from specdecode.networks.medusa_heads import MedusaHeads
+from specdecode.networks.storage import load_head
 from specdecode.proposers.base import PerRequest, ProposerCaps
 from specdecode.proposers.features import TargetFeatures
 
@@ -39,11 +41,8 @@ class MedusaProposer(TargetFeatures, PerRequest):
 
     def __init__(self, target, heads=None, path: str | Path | None = None, branch: int = 4,
                  confidence_threshold: float = 0.0) -> None:
-        """``heads``: trained :class:`~specdecode.train.medusa.MedusaHeads`, or a folder ``path`` with them.
+        """``heads``: trained :class:`~specdecode.networks.medusa_heads.MedusaHeads`, or a folder ``path`` with them.
         ``confidence_threshold`` > 0: a chain stops before the first head whose top probability is below it."""
-        from specdecode.train.eagle import load_head
-        from specdecode.train.medusa import MedusaHeads
-
         if not target.caps.hidden:
             raise ConfigError("Medusa needs the native backend (it reads the target's hidden states)")
         if branch < 1:

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from specdecode.train.draft_model import DistilledDraft, DraftConfig, distill_loss, same_sequence
-from specdecode.train.eagle import save_head
+from specdecode.networks.draft_model import DistilledDraft, DraftConfig
+from specdecode.networks.storage import save_head
+from specdecode.train.draft_model import distill_loss, same_sequence
 from specdecode.train.trainer import (
     common_arguments, common_card, common_options, draft_vocabulary, fit, heldout_acceptance, heldout_agreement,
     mixed_source, report, setup_run, weighted_tokens,

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from specdecode.train.eagle import save_head
-from specdecode.train.medusa import LOSS_DECAY, MedusaConfig, MedusaHeads, medusa_loss
+from specdecode.networks.medusa_heads import MedusaConfig, MedusaHeads
+from specdecode.networks.storage import save_head
+from specdecode.train.medusa import LOSS_DECAY, medusa_loss
 from specdecode.train.trainer import (
     common_arguments, common_card, common_options, draft_vocabulary, fit, heldout_acceptance, heldout_agreement,
     mixed_source, report, setup_run, weighted_tokens,

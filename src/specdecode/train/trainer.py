@@ -26,7 +26,9 @@ import torch
 
 from specdecode.errors import ConfigError
 from specdecode.train import data as data_mod
-from specdecode.train.eagle import EagleHead, HeadConfig, head_loss, save_head
+from specdecode.networks.eagle_head import EagleHead, HeadConfig
+from specdecode.networks.storage import save_head
+from specdecode.train.eagle import head_loss
 
 QUICK = dict(n_generated=4, gen_tokens=24, n_chunks=6, chunk_chars=600, task_share=0.5, n_self_instruct=2, steps=20, batch=4, seq_len=32,
              eval_prompts=2, eval_tokens=16)
@@ -249,7 +251,7 @@ def train_eagle(
     head.attach(target_model)
     head.init_from_target(target_model)
     if init_from is not None:  # warm start from an earlier head (its layer; this run's vocabulary)
-        from specdecode.train.eagle import load_head
+        from specdecode.networks.storage import load_head
 
         earlier, _ = load_head(init_from)
         state = {k: v for k, v in earlier.state_dict().items() if k != "vocab_ids"}
@@ -300,7 +302,7 @@ def common_card(
     history: list, train_seconds: float, heldout: dict, quick: bool, extra_args: str = "",
 ) -> dict:
     """The card fields every trained drafter has; ``extra_args`` ends the reproduce command."""
-    from specdecode.proposers.eagle import drafter_name
+    from specdecode.networks.storage import drafter_name
 
     o = run.opts
     data_args = (f" --generated {o['n_generated']} --self-instruct {o['n_self_instruct']} --chunks {o['n_chunks']}"

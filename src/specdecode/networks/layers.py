@@ -1,4 +1,4 @@
-"""The trainable Llama decoder layer the drafters share (EAGLE head, distilled draft model).
+"""The Llama decoder layer the drafters share (EAGLE head, distilled draft model): trainable and drafting.
 
 Batched and differentiable (the native path is inference-only, one sequence at a time); with
 ``keys``/``values`` it also drafts from a cache, one sequence at a time.
