@@ -10,9 +10,8 @@ from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, EngineConfig, GenerationConfig, GenerationResult, TreeConfig
 from specdecode.engine.policy import make_policy
 from specdecode.errors import ConfigError, InputError
-from specdecode.methods import COMPOSED, CONFIDENCE_METHODS, FALLBACK, METHODS, TRAINED, TREE_ONLY
-from specdecode.models.loading import LoadedModel, check_compatible, load_model
-from specdecode.proposers import DraftModelProposer, NgramProposer
+from specdecode.methods import COMPOSED, CONFIDENCE_METHODS, FALLBACK, METHODS, TRAINED, TREE_ONLY, method_spec  # noqa: F401
+from specdecode.models.loading import LoadedModel, load_model
 from specdecode.proposers.base import Proposer
 
 
@@ -66,77 +65,12 @@ def benchmarked_settings(target: LoadedModel, method: str) -> dict[str, Any]:
 
 
 def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | None = None, **options: Any) -> Proposer | None:
-    """The proposer for ``method``; ``draft`` is a loaded model or a path (methods draft, xtok)."""
-    if method == "auto":
-        method = best_method(target)
-    if method == "none":
-        return None
-    if method == "ngram":
-        return NgramProposer(**options)
-    if method == "draft":
-        from specdecode.networks.draft_model import is_distilled, load_distilled, shipped_draft
-
-        if draft is None or (not isinstance(draft, LoadedModel) and is_distilled(draft)):
-            # The distilled draft shipped for this target, or one from `specdecode train draft-model`.
-            options.pop("dtype", None)  # it runs in the target's dtype, on the target's own layers
-            model = shipped_draft(target.model, target.source) if draft is None else load_distilled(target.model, draft)[0]
-            return DraftModelProposer(model, **options)
-        if not isinstance(draft, LoadedModel):
-            draft = load_model(draft, dtype=options.pop("dtype", "float32"))
-        check_compatible(target, draft)
-        return DraftModelProposer(draft.model, **options)
-    if method == "suffix":
-        from specdecode.proposers.suffix import SuffixProposer
-
-        return SuffixProposer(**options)
-    if method == "xtok":  # a draft with another tokenizer: drafts cross over as text
-        from specdecode.proposers.xtok import CrossTokenizerProposer
-
-        if draft is None:
-            raise ConfigError("method 'xtok' needs a draft model (--draft PATH)")
-        if not isinstance(draft, LoadedModel):
-            draft = load_model(draft, dtype=options.pop("dtype", "float32"))
-        return CrossTokenizerProposer(draft, target.tokenizer, **options)
-    if method == "early-exit":
-        from specdecode.proposers.early_exit import EarlyExitProposer
-
-        return EarlyExitProposer(target.model, **options)
-    if method == "eagle":  # a trained head; default: the one shipped for this target
-        from specdecode.proposers.eagle import EagleProposer
-
-        return EagleProposer(target.model, path=_trained_dir("eagle", target, draft, options), **options)
-    if method == "medusa":  # trained heads; default: the ones shipped for this target
-        from specdecode.proposers.medusa import MedusaProposer
-
-        return MedusaProposer(target.model, path=_trained_dir("medusa", target, draft, options), **options)
-    if method == "hybrid":  # prompt lookup where the context repeats, else a trained drafter
-        from specdecode.proposers.hybrid import HybridProposer
-
-        lookup = {key: options.pop(key) for key in ("min_match", "max_ngram") if key in options}
-        inner = options.pop("drafter", None) or best_drafter(target)
-        if inner not in TRAINED:
-            raise ConfigError(f"hybrid drafter must be one of {', '.join(TRAINED)}, got {inner!r}")
-        return HybridProposer(make_proposer(inner, target, draft, **options), **lookup)
-    if method == "lookahead":
-        from specdecode.proposers.lookahead import LookaheadProposer
-
-        return LookaheadProposer(**options)
-    raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-
-
-def _trained_dir(method: str, target: LoadedModel, draft: Any, options: dict) -> str:
-    """The folder of ``method``'s trained drafter: ``path`` / ``draft`` when given, else the one
-    shipped for ``target``; ConfigError when it holds no weights."""
-    from specdecode.networks.storage import shipped_head_dir
-
-    path = options.pop("path", None) or (draft if isinstance(draft, (str, os.PathLike)) else None)
-    path = str(path or shipped_head_dir(target.source, method))
-    if not (os.path.isdir(path) and os.path.exists(os.path.join(path, "model.safetensors"))):
-        raise ConfigError(
-            f"no trained {method} drafter for this target at {path}; train one with: specdecode train {method} "
-            "--out DIR (then --draft DIR)"
-        )
-    return path
+    """The proposer for ``method``, built by its registered builder (:mod:`specdecode.methods`);
+    ``draft`` is a loaded model or a path (methods draft, xtok; a trained folder for eagle,
+    medusa). An option the method does not accept is a ConfigError naming the ones it does."""
+    spec = method_spec(method)
+    spec.check_options(options)
+    return spec.load_builder()(target, draft, **options)
 
 
 class SpeculativeGenerator:

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from specdecode.errors import SpecDecodeError
-from specdecode.methods import METHODS
+from specdecode.methods import TRAINED, method_names
 
 
 def _positive_int(text: str) -> int:
@@ -47,7 +47,7 @@ def _generate_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("prompt")
     _add_model_args(p)
-    p.add_argument("--method", choices=list(METHODS), default="auto",
+    p.add_argument("--method", choices=list(method_names()), default="auto",
                    help="default auto: the best drafter shipped for the target, else n-gram lookup")
     p.add_argument("--draft", default=None, help="draft model folder or .gguf (methods 'draft', 'xtok'); trained head folder (eagle, medusa)")
     p.add_argument("--k", type=_k_value, default=None,
@@ -60,7 +60,7 @@ def _generate_parser(sub: Any) -> None:
     p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
                    help="verify a tree of candidates per round (default: only for lookahead)")
     p.add_argument("--max-nodes", type=_positive_int, default=16, help="tree node budget per round")
-    p.add_argument("--drafter", choices=["eagle", "medusa", "draft"], default=None,
+    p.add_argument("--drafter", choices=list(TRAINED), default=None,
                    help="hybrid: the trained drafter for rounds prompt lookup cannot serve (default: best shipped)")
     p.add_argument("--exit-layers", type=_positive_int, default=None,
                    help="early-exit: target layers the draft runs (default: measured best)")
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=_positive_int, default=160)
     demo.add_argument("--prompt", default=None, help="your own prompt instead of the built-in one")
     demo.add_argument("--k", type=_positive_int, default=None, help="default: 4, or what the auto-chosen drafter was measured with")
-    demo.add_argument("--method", choices=[m for m in METHODS if m != "none"], default="auto",
+    demo.add_argument("--method", choices=[m for m in method_names() if m != "none"], default="auto",
                       help="default auto: the best drafter shipped for the model, else n-gram lookup")
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")

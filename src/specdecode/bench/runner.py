@@ -25,12 +25,10 @@ from typing import Any
 
 from specdecode.bench.workload import WorkItem, default_workload_path, groups_in_order, load_workload, select
 from specdecode.errors import ConfigError, InputError
-from specdecode.methods import CONFIDENCE_METHODS, METHODS
+from specdecode.methods import CONFIDENCE_METHODS, METHODS, method_spec
 
-SPEC_METHODS = tuple(m for m in METHODS if m != "none")  # speculative methods (draft/eagle/... shipped or --draft)
 TREE_SUFFIX = "+tree"  # e.g. "ngram+tree": the same method verifying candidate trees
 CONF_SUFFIX = "+conf"  # e.g. "eagle+conf": chains stop before a token the drafter gives < --confidence
-ALL_METHODS = ("none",) + SPEC_METHODS
 COST_CONTEXT = 200  # cache length for the forward-cost curve
 AUTO_K_MAX = 8  # k_max the engine's auto policy uses by default
 
@@ -79,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="draft model for method 'draft'")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
-    p.add_argument("--methods", default=None, help=f"comma list of {', '.join(ALL_METHODS)} (default {DEFAULTS['methods']}, plus draft with --draft)")
+    p.add_argument("--methods", default=None, help=f"comma list of {', '.join(METHODS)} (default {DEFAULTS['methods']}, plus draft with --draft)")
     p.add_argument("--k", default=None, help=f"comma list of draft lengths and/or auto (default {DEFAULTS['k']})")
     p.add_argument("--confidence", type=float, default=0.5,
                    help=f"threshold of the {CONF_SUFFIX} methods ({', '.join(CONFIDENCE_METHODS)}{CONF_SUFFIX})")
@@ -120,7 +118,7 @@ def parse_options(argv: list[str]) -> Options:
         methods_text += ",draft"
     methods = _methods(methods_text)
     for m in methods:
-        if base_method(m) == "xtok" and not args.draft:
+        if method_spec(base_method(m)).needs_draft and not args.draft:
             raise ConfigError(f"method '{m}' needs a draft model (--draft PATH)")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else preset["max_new_tokens"]
     if max_new < 1:
@@ -152,13 +150,14 @@ def base_method(name: str) -> str:
 
 
 def _methods(text: str) -> list[str]:
+    """Registered method names (:mod:`specdecode.methods`), each optionally with ``+tree`` or ``+conf``."""
     methods = _split(text.lower(), "--methods")
     for m in methods:
         base = base_method(m)
-        if base not in ALL_METHODS or (base == "none" and m != "none"):
-            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)} (+tree, or +conf for "
+        if base not in METHODS or (base == "none" and m != "none"):
+            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(METHODS)} (+tree, or +conf for "
                               f"{', '.join(CONFIDENCE_METHODS)})")
-        if m.endswith(CONF_SUFFIX) and base not in CONFIDENCE_METHODS:
+        if m.endswith(CONF_SUFFIX) and not method_spec(base).confidence:
             raise ConfigError(f"{m!r}: only {', '.join(CONFIDENCE_METHODS)} chains stop on confidence")
     return methods
 
@@ -382,7 +381,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
     console.print(f"bench: {len(items)} prompts in {len(groups_in_order(items))} categories -> {opts.out}")
 
     target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
-    needs_draft = any(base_method(m) in ("draft", "xtok") for m in opts.methods)
+    needs_draft = any(method_spec(base_method(m)).uses_draft for m in opts.methods)
     draft = load_model(opts.draft, dtype=opts.dtype) if needs_draft and opts.draft else None
     cells, skipped_cells, gens = [], [], {}
     for cell in plan_cells(opts):
