@@ -54,7 +54,7 @@ def test_tree_only_proposer_is_certified_on_trees():
 
 
 def test_a_broken_verifier_fails(monkeypatch):
-    import specdecode.engine.loop as loop
+    import specdecode.engine.request as loop
 
     monkeypatch.setattr(loop, "verify_sampling", no_residual_verify)
     report = certify(FixedQProposer(5), samples=1000)

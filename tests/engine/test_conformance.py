@@ -103,7 +103,7 @@ class WrongTemperatureDraft(DraftModelProposer):
 
 @pytest.mark.parametrize("bug", ["no_residual", "bonus_from_draft"])
 def test_broken_verifier_is_caught(bug, monkeypatch):
-    import specdecode.engine.loop as loop
+    import specdecode.engine.request as loop
 
     monkeypatch.setattr(loop, "verify_sampling", _broken_verify(**{bug: True}))
     target, draft = markov_pair()
@@ -111,7 +111,7 @@ def test_broken_verifier_is_caught(bug, monkeypatch):
 
 
 def test_broken_ngram_residual_is_caught(monkeypatch):
-    import specdecode.engine.loop as loop
+    import specdecode.engine.request as loop
 
     monkeypatch.setattr(loop, "verify_sampling", _broken_verify(no_residual=True))
     target, _ = markov_pair()

@@ -69,7 +69,7 @@ def _broken_tree_verify(keep_rejected_siblings: bool = False, resample_from_p: b
 
 @pytest.mark.parametrize("bug", ["keep_rejected_siblings", "resample_from_p"])
 def test_broken_tree_verifiers_are_caught(bug, monkeypatch):
-    import specdecode.engine.loop as loop
+    import specdecode.engine.request as loop
 
     monkeypatch.setattr(loop, "verify_tree_sampling", _broken_tree_verify(**{bug: True}))
     assert tree_pvalue(SamplingConfig(temperature=1.0)) < ALPHA
@@ -115,7 +115,7 @@ def test_lookahead_sampling_is_exact(temperature):
 
 
 def test_broken_lookahead_verifier_is_caught(monkeypatch):
-    import specdecode.engine.loop as loop
+    import specdecode.engine.request as loop
     from specdecode.proposers.lookahead import LookaheadProposer
 
     monkeypatch.setattr(loop, "verify_tree_sampling", _broken_tree_verify(resample_from_p=True))

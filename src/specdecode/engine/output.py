@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from specdecode.engine.loop import GenerationConfig, StreamEvent
+    from specdecode.engine.request import GenerationConfig, StreamEvent
 
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes an incomplete (or invalid) UTF-8 sequence to
 # An incomplete UTF-8 character is at most 3 bytes, so at most 3 tokens: a clean boundary before
@@ -145,7 +145,7 @@ class OutputTracker:
     def add(self, committed: list[int]) -> "StreamEvent":
         """Append a round's tokens, up to an EOS or the token budget; the event has the tokens
         kept and the text released by them (empty while it may still change or stop)."""
-        from specdecode.engine.loop import StreamEvent
+        from specdecode.engine.request import StreamEvent
 
         new: list[int] = []
         for tok in committed:
