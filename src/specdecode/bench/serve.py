@@ -342,7 +342,7 @@ class Arm:
         if self.kind == "table":
             assert self.table is not None
             return f"{self.name} ({self.method}, k by batch size {BatchTableK(*self.table).describe()}{self._extras()})"
-        text = f"{self.method} k={self.k}" + ("" if self.policy == "fixed" else f" {self.policy}")
+        text = f"{self.method} k={self.k}" + ("" if self.policy in ("fixed", "confidence") else f" {self.policy}")
         return text + self._extras() if self.name == self.method else f"{self.name} ({text}{self._extras()})"
 
     def _extras(self) -> str:

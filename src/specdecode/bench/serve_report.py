@@ -183,7 +183,7 @@ def finish(results: dict[str, Any]) -> None:
             continue
         for temp in results["config"]["temperatures"]:
             chosen = [c for c in cells if c["arm"] == arm["name"] and c["temperature"] == temp]
-            results["k_by_batch_size"][f"{arm['name']}|T={temp:g}"] = merged_k_by_batch(chosen)
+            results["k_by_batch_size"][f"{arm['name']} T={temp:g}"] = merged_k_by_batch(chosen)
 
 
 # -- presentation -------------------------------------------------------------------------------
@@ -353,7 +353,7 @@ def make_plots(results: dict[str, Any]) -> dict[str, bytes]:
     drawn = False
     for ax, temp in zip(axes[0], temps):
         for i, arm in enumerate(arms):
-            k = results["k_by_batch_size"].get(f"{arm['name']}|T={temp:g}") or {}
+            k = results["k_by_batch_size"].get(f"{arm['name']} T={temp:g}") or {}
             if arm["method"] == "none" or not k:
                 continue
             xs = sorted(int(b) for b in k)
