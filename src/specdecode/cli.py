@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
     sub.add_parser("bench-decode", help="plain decode speed vs transformers (see --help)", add_help=False)
+    sub.add_parser("bench-serve", help="serving throughput and latency of the batched engine under load (see --help)",
+                   add_help=False)
     sub.add_parser("record-drafters", help="write a bench run's drafter speedups into the shipped cards (see --help)",
                    add_help=False)
     return parser
@@ -148,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         from specdecode.bench import decode
 
         return _guard(lambda: decode.main(argv[1:]))
+    if argv[:1] == ["bench-serve"]:
+        from specdecode.bench import serve
+
+        return _guard(lambda: serve.main(argv[1:]))
     if argv[:1] == ["bench"]:
         from specdecode.bench import runner
 
