@@ -336,4 +336,4 @@ def _greedy_case(name: str, mode: str, target: CausalLM, proposer: Proposer, tre
                 return CaseResult(name, mode, greedy, None, False, f"prompt {prompt}: {got} != plain {expected}")
     except Exception as exc:
         return CaseResult(name, mode, greedy, None, False, f"error: {type(exc).__name__}: {exc}")
-    return CaseResult(name, mode, greedy, None, True, f"identical to plain decoding on {len(GREEDY_PROMPTS)} prompts")
+    return CaseResult(name, mode, greedy, None, True, f"same tokens as plain decoding on {len(GREEDY_PROMPTS)} prompts")
