@@ -128,16 +128,16 @@ def _conformance_parser(sub: Any) -> None:
 
 def conformance_proposer(args: argparse.Namespace, target: Any) -> Any:
     """The proposer ``specdecode conformance`` certifies, built over the tiny ``target`` model."""
+    import importlib
+
     from specdecode.errors import ConfigError
-    from specdecode.methods import MethodSpec, REGISTRY, register_method
+    from specdecode.methods import REGISTRY, MethodSpec, register_method
 
     if args.method is not None:
         return _build_registered(args.method, target)
     module_name, _, attr = args.plugin.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"--plugin takes MODULE:ATTR, got {args.plugin!r}")
-    import importlib
-
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # a plugin next to the user, as with python -m
     try:
@@ -191,10 +191,11 @@ def _build_registered(name: str, target: Any) -> Any:
 def cmd_conformance(args: argparse.Namespace) -> int:
     """Certify a proposer; print one row per case and ``N passed, M failed``; 0 when all pass, else 1."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from specdecode.runtime import set_threads
-    from specdecode.testing import certify, default_target
+    from specdecode.testing import certify, default_target, format_pvalue
 
     set_threads(1)  # tiny tensors: a second thread only adds synchronisation
     target = default_target()
@@ -208,7 +209,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         table.add_column(column, justify="right" if column == "p-value" else "left")
     for case in report.cases:
         result = "[green]PASS[/green]" if case.passed else "[red]FAIL[/red]"
-        table.add_row(case.name, "-" if case.pvalue is None else f"{case.pvalue:.4f}", result, case.detail)
+        table.add_row(escape(case.name), format_pvalue(case.pvalue), result, escape(case.detail))
     console.print(table)
     for note in report.notes:
         console.print(f"note: {note}", markup=False)
