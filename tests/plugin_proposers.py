@@ -76,6 +76,10 @@ def build_wrong_q(target, draft=None, peak: float = 0.8):
     return WrongQProposer(target.model.vocab_size, peak=peak)
 
 
+def build_next_token(target, draft=None):
+    return NextTokenProposer(target.model.vocab_size)
+
+
 def next_token_factory(target):
     """A ``--plugin`` factory: given the tiny target model, return a proposer."""
     return NextTokenProposer(target.vocab_size)

@@ -164,3 +164,20 @@ def test_bench_needs_a_draft_for_methods_that_need_one():
 
     with pytest.raises(ConfigError, match="'xtok' needs a draft model"):
         parse_options(["--out", "x", "--methods", "none,xtok"])
+
+
+def test_the_generator_runs_a_registered_plugin(tmp_path):
+    from helpers import save_tiny_llama
+    from specdecode.api import SpeculativeGenerator
+
+    save_tiny_llama(tmp_path / "tiny")
+    register_method(MethodSpec("plugin-next", "plugin_proposers:build_next_token", description="next tokens"))
+    try:
+        gen = SpeculativeGenerator(str(tmp_path / "tiny"), method="plugin-next", k=3)
+        out = gen.generate([5, 6, 7, 5, 6], max_new_tokens=12)
+        plain = SpeculativeGenerator(gen.target, method="none").generate([5, 6, 7, 5, 6], max_new_tokens=12)
+        assert out.stats["method"] == "next-token" and out.token_ids == plain.token_ids
+        with pytest.raises(ConfigError, match="'plugin-next' does not take option 'depth'"):
+            SpeculativeGenerator(gen.target, method="plugin-next", depth=2)
+    finally:
+        unregister_method("plugin-next")

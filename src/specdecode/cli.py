@@ -1,4 +1,4 @@
-"""Command line: ``specdecode generate | demo | bench-decode``."""
+"""Command line: ``specdecode generate | demo | conformance | bench | bench-decode | train | ...``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ def _nonneg_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
     return value
 
 
@@ -90,12 +100,123 @@ def build_parser() -> argparse.ArgumentParser:
                       help="default auto: the best drafter shipped for the model, else n-gram lookup")
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
+    _conformance_parser(sub)
     sub.add_parser("bench-decode", help="plain decode speed vs transformers (see --help)", add_help=False)
     sub.add_parser("bench-serve", help="serving throughput and latency of the batched engine under load (see --help)",
                    add_help=False)
     sub.add_parser("record-drafters", help="write a bench run's drafter speedups into the shipped cards (see --help)",
                    add_help=False)
     return parser
+
+
+def _conformance_parser(sub: Any) -> None:
+    p = sub.add_parser("conformance", help="certify a proposer's exactness on a tiny enumerable target (chi-square)",
+                       description="Sample speculative output on a tiny Markov-chain target and test it against the "
+                                   "target's exact law (Pearson chi-square per case), plus greedy identity.")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--method", default=None,
+                       help="a registered method that builds without a real model (ngram, suffix, lookahead, plugins)")
+    which.add_argument("--plugin", metavar="MODULE:ATTR", default=None,
+                       help="your proposer: ATTR is a MethodSpec, a registered method's name, a Proposer class "
+                            "(built with no arguments) or a function given the tiny target model")
+    p.add_argument("--samples", type=_positive_int, default=3000, help="generations per case (default 3000)")
+    p.add_argument("--alpha", type=_probability, default=1e-3, help="significance level per case (default 0.001)")
+    p.add_argument("--k", type=_positive_int, default=2, help="draft tokens per round (default 2)")
+    p.add_argument("--n-new", type=_positive_int, default=3, help="new tokens per generation (default 3)")
+    p.add_argument("--trees", action=argparse.BooleanOptionalAction, default=None,
+                   help="also certify tree drafting (default: when the proposer declares caps.trees)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def conformance_proposer(args: argparse.Namespace, target: Any) -> Any:
+    """The proposer ``specdecode conformance`` certifies, built over the tiny ``target`` model."""
+    import importlib
+
+    from specdecode.errors import ConfigError
+    from specdecode.methods import REGISTRY, MethodSpec, register_method
+
+    if args.method is not None:
+        return _build_registered(args.method, target)
+    module_name, _, attr = args.plugin.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"--plugin takes MODULE:ATTR, got {args.plugin!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a plugin next to the user, as with python -m
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"--plugin: cannot import module {module_name!r} ({exc})") from None
+    if attr not in vars(module):
+        if attr in REGISTRY:  # importing the module registered it
+            return _build_registered(attr, target)
+        raise ConfigError(f"--plugin: module {module_name!r} has no attribute {attr!r}, and no method {attr!r} is registered")
+    obj = vars(module)[attr]
+    if isinstance(obj, MethodSpec):
+        if REGISTRY.get(obj.name) is not obj:
+            register_method(obj)
+        return _build_registered(obj.name, target)
+    if not callable(obj):
+        raise ConfigError(f"--plugin: {args.plugin} is a {type(obj).__name__}, not a MethodSpec, a proposer class "
+                          "or a function returning a proposer")
+    try:
+        return obj() if isinstance(obj, type) else obj(target)
+    except SpecDecodeError:
+        raise
+    except Exception as exc:
+        how = "with no arguments" if isinstance(obj, type) else "with the tiny target"
+        raise ConfigError(f"--plugin: building {args.plugin} {how} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _build_registered(name: str, target: Any) -> Any:
+    """A registered method's proposer over the tiny target; ConfigError for methods that cannot build there."""
+    from specdecode.api import make_proposer
+    from specdecode.errors import ConfigError
+    from specdecode.methods import method_spec
+    from specdecode.models.loading import LoadedModel
+
+    spec = method_spec(name)
+    if name == "none":
+        raise ConfigError("method 'none' is plain decoding: there is no proposer to certify")
+    needs = ("trained weights for a real target" if spec.trained else "a trained drafter" if spec.composed
+             else "a draft model" if spec.needs_draft else "a real target model" if spec.needs_model else None)
+    if needs:
+        raise ConfigError(f"method {name!r} needs {needs}, so it cannot be built on the tiny conformance target; "
+                          "certify it in Python with specdecode.testing.certify(proposer, target=...)")
+    try:
+        return make_proposer(name, LoadedModel(model=target, tokenizer=None, source="tiny-markov"))
+    except SpecDecodeError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"building method {name!r} on the tiny target failed: {type(exc).__name__}: {exc}") from None
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    """Certify a proposer; print one row per case and ``N passed, M failed``; 0 when all pass, else 1."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from specdecode.runtime import set_threads
+    from specdecode.testing import certify, default_target, format_pvalue
+
+    set_threads(1)  # tiny tensors: a second thread only adds synchronisation
+    target = default_target()
+    proposer = conformance_proposer(args, target)
+    report = certify(proposer, target=target, samples=args.samples, alpha=args.alpha, k=args.k, n_new=args.n_new,
+                     trees=args.trees, seed=args.seed)
+    console = Console(highlight=False)
+    table = Table(title=f"conformance of {report.proposer!r}: Markov chain over {target.vocab_size} tokens, "
+                        f"{args.samples} samples per case, k={args.k}, {args.n_new} new tokens, alpha={args.alpha:g}")
+    for column in ("case", "p-value", "result", "detail"):
+        table.add_column(column, justify="right" if column == "p-value" else "left")
+    for case in report.cases:
+        result = "[green]PASS[/green]" if case.passed else "[red]FAIL[/red]"
+        table.add_row(escape(case.name), format_pvalue(case.pvalue), result, escape(case.detail))
+    console.print(table)
+    for note in report.notes:
+        console.print(f"note: {note}", markup=False)
+    print(f"{report.n_passed} passed, {report.n_failed} failed", flush=True)
+    return 0 if report.passed else 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -175,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         from specdecode.demo import run_demo
 
         return _guard(lambda: run_demo(args))
+    if args.command == "conformance":
+        return _guard(lambda: cmd_conformance(args))
     return _guard(lambda: cmd_generate(args))
 
 

@@ -228,11 +228,18 @@ class CertificationReport:
         width = max([len(c.name) for c in self.cases] + [4])
         lines = [f"{'case':<{width}}  {'p-value':>9}  result"]
         for c in self.cases:
-            p = "-" if c.pvalue is None else f"{c.pvalue:.4f}"
-            lines.append(f"{c.name:<{width}}  {p:>9}  {'PASS' if c.passed else 'FAIL'}" + (f"  {c.detail}" if c.detail else ""))
+            result = "PASS" if c.passed else "FAIL"
+            lines.append(f"{c.name:<{width}}  {format_pvalue(c.pvalue):>9}  {result}" + (f"  {c.detail}" if c.detail else ""))
         lines += [f"note: {note}" for note in self.notes]
         lines.append(f"{self.n_passed} passed, {self.n_failed} failed")
         return "\n".join(lines)
+
+
+def format_pvalue(pvalue: float | None) -> str:
+    """A p-value for a table: 4 decimals, scientific below 1e-4, "-" for none (greedy cases)."""
+    if pvalue is None:
+        return "-"
+    return f"{pvalue:.4f}" if pvalue >= 1e-4 or pvalue == 0.0 else f"{pvalue:.1e}"
 
 
 def certify(
@@ -320,7 +327,7 @@ def _sampling_case(name: str, mode: str, target: CausalLM, proposer: Proposer, t
         pvalue = chi_square_pvalue(counts, sequence_law(target, prompt, n_new, sampling))
     except Exception as exc:  # a proposer that crashes fails its case; the report says how
         return CaseResult(name, mode, sampling, None, False, f"error: {type(exc).__name__}: {exc}")
-    detail = "" if pvalue > alpha else f"p <= alpha = {alpha:g}: the output law is not the target's"
+    detail = "" if pvalue > alpha else f"p <= alpha = {alpha:g}: not the target's law"
     return CaseResult(name, mode, sampling, pvalue, pvalue > alpha, detail)
 
 
@@ -336,4 +343,4 @@ def _greedy_case(name: str, mode: str, target: CausalLM, proposer: Proposer, tre
                 return CaseResult(name, mode, greedy, None, False, f"prompt {prompt}: {got} != plain {expected}")
     except Exception as exc:
         return CaseResult(name, mode, greedy, None, False, f"error: {type(exc).__name__}: {exc}")
-    return CaseResult(name, mode, greedy, None, True, f"identical to plain decoding on {len(GREEDY_PROMPTS)} prompts")
+    return CaseResult(name, mode, greedy, None, True, f"same tokens as plain decoding on {len(GREEDY_PROMPTS)} prompts")
