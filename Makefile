@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdecode-installed
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast lint clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,11 @@ demo: setup
 browser:
 	@command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium chromium-driver) || echo "warning: could not install chromium; the report rendering test will be skipped"
 
-test: setup browser
+lint: setup
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+test: setup browser lint
 	$(PY) -m pytest -q
 
 test-fast: setup

@@ -51,8 +51,10 @@ def best_drafter(target: LoadedModel) -> str:
     if measured in cards:
         return measured
     if not cards:
-        raise ConfigError("method 'hybrid' needs a trained drafter; none is shipped for this target "
-                          "(train one with: specdecode train eagle --out DIR, then --drafter eagle --draft DIR)")
+        raise ConfigError(
+            "method 'hybrid' needs a trained drafter; none is shipped for this target "
+            "(train one with: specdecode train eagle --out DIR, then --drafter eagle --draft DIR)"
+        )
     return max(cards, key=lambda m: float((cards[m].get("benchmark") or {}).get("speedup", 0.0)))
 
 
@@ -64,7 +66,9 @@ def benchmarked_settings(target: LoadedModel, method: str) -> dict[str, Any]:
     return {key: settings[key] for key in ("k", "policy", "confidence", "drafter") if key in settings}
 
 
-def make_proposer(method: str, target: LoadedModel, draft: LoadedModel | str | None = None, **options: Any) -> Proposer | None:
+def make_proposer(
+    method: str, target: LoadedModel, draft: LoadedModel | str | None = None, **options: Any
+) -> Proposer | None:
     """The proposer for ``method``, built by its registered builder (:mod:`specdecode.methods`);
     ``draft`` is a loaded model or a path (methods draft, xtok; a trained folder for eagle,
     medusa). An option the method does not accept is a ConfigError naming the ones it does."""
@@ -121,8 +125,10 @@ class SpeculativeGenerator:
         policy = policy or "fixed"
         if policy == "confidence":
             if method not in CONFIDENCE_METHODS:
-                raise ConfigError(f"policy 'confidence' needs a drafter with its own probabilities "
-                                  f"(method {', '.join(CONFIDENCE_METHODS)}), not {method!r}")
+                raise ConfigError(
+                    f"policy 'confidence' needs a drafter with its own probabilities "
+                    f"(method {', '.join(CONFIDENCE_METHODS)}), not {method!r}"
+                )
             proposer_options["confidence_threshold"] = confidence
         proposer = make_proposer(method, self.target, draft, **proposer_options)
         self.decoder = Decoder(
@@ -146,7 +152,11 @@ class SpeculativeGenerator:
                 chat = bool(getattr(tok, "chat_template", None))
             if chat:
                 messages = [{"role": "user", "content": prompt}]
-                return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+                return list(
+                    tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                        "input_ids"
+                    ]
+                )
             return list(tok.encode(prompt))
         ids = [int(t) for t in prompt]
         if not ids:

@@ -57,25 +57,58 @@ def _generate_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("prompt")
     _add_model_args(p)
-    p.add_argument("--method", choices=list(method_names()), default="auto",
-                   help="default auto: the best drafter shipped for the target, else n-gram lookup")
-    p.add_argument("--draft", default=None, help="draft model folder or .gguf (methods 'draft', 'xtok'); trained head folder (eagle, medusa)")
-    p.add_argument("--k", type=_k_value, default=None,
-                   help="draft tokens per round, or 'auto' (default 4; with --method auto, what the drafter was measured with)")
+    p.add_argument(
+        "--method",
+        choices=list(method_names()),
+        default="auto",
+        help="default auto: the best drafter shipped for the target, else n-gram lookup",
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="draft model folder or .gguf (methods 'draft', 'xtok'); trained head folder (eagle, medusa)",
+    )
+    p.add_argument(
+        "--k",
+        type=_k_value,
+        default=None,
+        help="draft tokens per round, or 'auto' (default 4; with --method auto, what the drafter was measured with)",
+    )
     p.add_argument("--k-max", type=_positive_int, default=8, help="upper bound for --k auto")
-    p.add_argument("--policy", choices=["fixed", "heuristic", "confidence", "auto"], default=None,
-                   help="how k changes between rounds (default: fixed; auto with --k auto)")
-    p.add_argument("--confidence", type=float, default=None,
-                   help="--policy confidence: a draft/eagle/medusa/hybrid chain stops before a token it gives less than this")
-    p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
-                   help="verify a tree of candidates per round (default: only for lookahead)")
+    p.add_argument(
+        "--policy",
+        choices=["fixed", "heuristic", "confidence", "auto"],
+        default=None,
+        help="how k changes between rounds (default: fixed; auto with --k auto)",
+    )
+    p.add_argument(
+        "--confidence",
+        type=float,
+        default=None,
+        help="--policy confidence: a draft/eagle/medusa/hybrid chain stops before a token it gives less than this",
+    )
+    p.add_argument(
+        "--tree",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="verify a tree of candidates per round (default: only for lookahead)",
+    )
     p.add_argument("--max-nodes", type=_positive_int, default=16, help="tree node budget per round")
-    p.add_argument("--drafter", choices=list(TRAINED), default=None,
-                   help="hybrid: the trained drafter for rounds prompt lookup cannot serve (default: best shipped)")
-    p.add_argument("--exit-layers", type=_positive_int, default=None,
-                   help="early-exit: target layers the draft runs (default: measured best)")
-    p.add_argument("--shadow", action="store_true",
-                   help="decode plainly; record the acceptance the method would have had")
+    p.add_argument(
+        "--drafter",
+        choices=list(TRAINED),
+        default=None,
+        help="hybrid: the trained drafter for rounds prompt lookup cannot serve (default: best shipped)",
+    )
+    p.add_argument(
+        "--exit-layers",
+        type=_positive_int,
+        default=None,
+        help="early-exit: target layers the draft runs (default: measured best)",
+    )
+    p.add_argument(
+        "--shadow", action="store_true", help="decode plainly; record the acceptance the method would have had"
+    )
     p.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -95,36 +128,62 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="plain vs speculative decoding on the embedded model")
     demo.add_argument("--max-new-tokens", type=_positive_int, default=160)
     demo.add_argument("--prompt", default=None, help="your own prompt instead of the built-in one")
-    demo.add_argument("--k", type=_positive_int, default=None, help="default: 4, or what the auto-chosen drafter was measured with")
-    demo.add_argument("--method", choices=[m for m in method_names() if m != "none"], default="auto",
-                      help="default auto: the best drafter shipped for the model, else n-gram lookup")
+    demo.add_argument(
+        "--k", type=_positive_int, default=None, help="default: 4, or what the auto-chosen drafter was measured with"
+    )
+    demo.add_argument(
+        "--method",
+        choices=[m for m in method_names() if m != "none"],
+        default="auto",
+        help="default auto: the best drafter shipped for the model, else n-gram lookup",
+    )
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
     _conformance_parser(sub)
     sub.add_parser("bench-decode", help="plain decode speed vs transformers (see --help)", add_help=False)
-    sub.add_parser("bench-serve", help="serving throughput and latency of the batched engine under load (see --help)",
-                   add_help=False)
-    sub.add_parser("record-drafters", help="write a bench run's drafter speedups into the shipped cards (see --help)",
-                   add_help=False)
+    sub.add_parser(
+        "bench-serve",
+        help="serving throughput and latency of the batched engine under load (see --help)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "record-drafters",
+        help="write a bench run's drafter speedups into the shipped cards (see --help)",
+        add_help=False,
+    )
     return parser
 
 
 def _conformance_parser(sub: Any) -> None:
-    p = sub.add_parser("conformance", help="certify a proposer's exactness on a tiny enumerable target (chi-square)",
-                       description="Sample speculative output on a tiny Markov-chain target and test it against the "
-                                   "target's exact law (Pearson chi-square per case), plus greedy identity.")
+    p = sub.add_parser(
+        "conformance",
+        help="certify a proposer's exactness on a tiny enumerable target (chi-square)",
+        description="Sample speculative output on a tiny Markov-chain target and test it against the "
+        "target's exact law (Pearson chi-square per case), plus greedy identity.",
+    )
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--method", default=None,
-                       help="a registered method that builds without a real model (ngram, suffix, lookahead, plugins)")
-    which.add_argument("--plugin", metavar="MODULE:ATTR", default=None,
-                       help="your proposer: ATTR is a MethodSpec, a registered method's name, a Proposer class "
-                            "(built with no arguments) or a function given the tiny target model")
+    which.add_argument(
+        "--method",
+        default=None,
+        help="a registered method that builds without a real model (ngram, suffix, lookahead, plugins)",
+    )
+    which.add_argument(
+        "--plugin",
+        metavar="MODULE:ATTR",
+        default=None,
+        help="your proposer: ATTR is a MethodSpec, a registered method's name, a Proposer class "
+        "(built with no arguments) or a function given the tiny target model",
+    )
     p.add_argument("--samples", type=_positive_int, default=3000, help="generations per case (default 3000)")
     p.add_argument("--alpha", type=_probability, default=1e-3, help="significance level per case (default 0.001)")
     p.add_argument("--k", type=_positive_int, default=2, help="draft tokens per round (default 2)")
     p.add_argument("--n-new", type=_positive_int, default=3, help="new tokens per generation (default 3)")
-    p.add_argument("--trees", action=argparse.BooleanOptionalAction, default=None,
-                   help="also certify tree drafting (default: when the proposer declares caps.trees)")
+    p.add_argument(
+        "--trees",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also certify tree drafting (default: when the proposer declares caps.trees)",
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -149,15 +208,19 @@ def conformance_proposer(args: argparse.Namespace, target: Any) -> Any:
     if attr not in vars(module):
         if attr in REGISTRY:  # importing the module registered it
             return _build_registered(attr, target)
-        raise ConfigError(f"--plugin: module {module_name!r} has no attribute {attr!r}, and no method {attr!r} is registered")
+        raise ConfigError(
+            f"--plugin: module {module_name!r} has no attribute {attr!r}, and no method {attr!r} is registered"
+        )
     obj = vars(module)[attr]
     if isinstance(obj, MethodSpec):
         if REGISTRY.get(obj.name) is not obj:
             register_method(obj)
         return _build_registered(obj.name, target)
     if not callable(obj):
-        raise ConfigError(f"--plugin: {args.plugin} is a {type(obj).__name__}, not a MethodSpec, a proposer class "
-                          "or a function returning a proposer")
+        raise ConfigError(
+            f"--plugin: {args.plugin} is a {type(obj).__name__}, not a MethodSpec, a proposer class "
+            "or a function returning a proposer"
+        )
     try:
         return obj() if isinstance(obj, type) else obj(target)
     except SpecDecodeError:
@@ -177,11 +240,22 @@ def _build_registered(name: str, target: Any) -> Any:
     spec = method_spec(name)
     if name == "none":
         raise ConfigError("method 'none' is plain decoding: there is no proposer to certify")
-    needs = ("trained weights for a real target" if spec.trained else "a trained drafter" if spec.composed
-             else "a draft model" if spec.needs_draft else "a real target model" if spec.needs_model else None)
+    needs = (
+        "trained weights for a real target"
+        if spec.trained
+        else "a trained drafter"
+        if spec.composed
+        else "a draft model"
+        if spec.needs_draft
+        else "a real target model"
+        if spec.needs_model
+        else None
+    )
     if needs:
-        raise ConfigError(f"method {name!r} needs {needs}, so it cannot be built on the tiny conformance target; "
-                          "certify it in Python with specdecode.testing.certify(proposer, target=...)")
+        raise ConfigError(
+            f"method {name!r} needs {needs}, so it cannot be built on the tiny conformance target; "
+            "certify it in Python with specdecode.testing.certify(proposer, target=...)"
+        )
     try:
         return make_proposer(name, LoadedModel(model=target, tokenizer=None, source="tiny-markov"))
     except SpecDecodeError:
@@ -202,11 +276,21 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     set_threads(1)  # tiny tensors: a second thread only adds synchronisation
     target = default_target()
     proposer = conformance_proposer(args, target)
-    report = certify(proposer, target=target, samples=args.samples, alpha=args.alpha, k=args.k, n_new=args.n_new,
-                     trees=args.trees, seed=args.seed)
+    report = certify(
+        proposer,
+        target=target,
+        samples=args.samples,
+        alpha=args.alpha,
+        k=args.k,
+        n_new=args.n_new,
+        trees=args.trees,
+        seed=args.seed,
+    )
     console = Console(highlight=False)
-    table = Table(title=f"conformance of {report.proposer!r}: Markov chain over {target.vocab_size} tokens, "
-                        f"{args.samples} samples per case, k={args.k}, {args.n_new} new tokens, alpha={args.alpha:g}")
+    table = Table(
+        title=f"conformance of {report.proposer!r}: Markov chain over {target.vocab_size} tokens, "
+        f"{args.samples} samples per case, k={args.k}, {args.n_new} new tokens, alpha={args.alpha:g}"
+    )
     for column in ("case", "p-value", "result", "detail"):
         table.add_column(column, justify="right" if column == "p-value" else "left")
     for case in report.cases:
@@ -228,7 +312,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise InputError("empty prompt")
     if args.drafter and args.method != "hybrid":
-        raise ConfigError(f"--drafter chooses the hybrid's trained drafter; use it with --method hybrid, not {args.method!r}")
+        raise ConfigError(
+            f"--drafter chooses the hybrid's trained drafter; use it with --method hybrid, not {args.method!r}"
+        )
     from specdecode.runtime import set_threads
 
     set_threads(args.threads)
@@ -236,8 +322,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     target = load_model(args.target, dtype=args.dtype, backend=args.backend)
     gen = SpeculativeGenerator(
-        target, method=args.method, k=args.k, k_max=args.k_max, draft=args.draft,
-        policy=args.policy, confidence=args.confidence, shadow=args.shadow, tree=args.tree, max_nodes=args.max_nodes,
+        target,
+        method=args.method,
+        k=args.k,
+        k_max=args.k_max,
+        draft=args.draft,
+        policy=args.policy,
+        confidence=args.confidence,
+        shadow=args.shadow,
+        tree=args.tree,
+        max_nodes=args.max_nodes,
         **({"layers": args.exit_layers} if args.exit_layers and args.method == "early-exit" else {}),
         **({"drafter": args.drafter} if args.drafter else {}),
     )

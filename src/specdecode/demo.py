@@ -53,8 +53,13 @@ def _summary(console: Console, runs: dict) -> None:
     for name, out in runs.items():
         s = out.stats
         table.add_row(
-            name, str(s["new_tokens"]), f"{s['tokens_per_s']:.1f}", str(s["target_calls"]),
-            f"{s['acceptance_rate']:.0%}", f"{s['mean_accepted_length']:.2f}", f"{s['ttft_s']:.3f}",
+            name,
+            str(s["new_tokens"]),
+            f"{s['tokens_per_s']:.1f}",
+            str(s["target_calls"]),
+            f"{s['acceptance_rate']:.0%}",
+            f"{s['mean_accepted_length']:.2f}",
+            f"{s['ttft_s']:.3f}",
         )
     console.print(table)
     (plain, spec) = runs.values()

@@ -69,7 +69,9 @@ class MethodSpec:
             raise ConfigError(f"method {self.name!r}: builder must be a 'module:function' string, got {self.builder!r}")
         if self.options is not None:
             if isinstance(self.options, str):
-                raise ConfigError(f"method {self.name!r}: options must be a set of names, got the string {self.options!r}")
+                raise ConfigError(
+                    f"method {self.name!r}: options must be a set of names, got the string {self.options!r}"
+                )
             object.__setattr__(self, "options", frozenset(self.options))
         if self.needs_draft:
             object.__setattr__(self, "uses_draft", True)
@@ -85,8 +87,10 @@ class MethodSpec:
         hints = [m for u in unknown for m in difflib.get_close_matches(u, sorted(self.options), n=1)]
         hint = f" (did you mean {', '.join(repr(h) for h in hints)}?)" if hints else ""
         plural = "s" if len(unknown) > 1 else ""
-        raise ConfigError(f"method {self.name!r} does not take option{plural} {', '.join(map(repr, unknown))}{hint}; "
-                          f"it accepts: {accepted}")
+        raise ConfigError(
+            f"method {self.name!r} does not take option{plural} {', '.join(map(repr, unknown))}{hint}; "
+            f"it accepts: {accepted}"
+        )
 
     def load_builder(self) -> Callable[..., Any]:
         """The builder function (imported now); ConfigError when it cannot be found."""
@@ -180,35 +184,88 @@ _HEAD = {"path", "branch", "confidence_threshold"}  # EAGLE / Medusa: path = a t
 _TRAINED_OPTIONS = _DRAFT_MODEL | {"dtype"} | _HEAD  # what the hybrid passes on to its drafter
 
 for _spec in (
-    MethodSpec("auto", _B + "build_auto", None, needs_model=True,
-               description="the shipped drafter (or hybrid) with the best measured speedup, else ngram"),
+    MethodSpec(
+        "auto",
+        _B + "build_auto",
+        None,
+        needs_model=True,
+        description="the shipped drafter (or hybrid) with the best measured speedup, else ngram",
+    ),
     MethodSpec("none", _B + "build_none", description="plain autoregressive decoding (no proposer)"),
-    MethodSpec("draft", _B + "build_draft", _DRAFT_MODEL | {"dtype"}, trained=True, confidence=True, uses_draft=True,
-               description="a small draft model sharing the target's tokenizer (default: the shipped distilled one)"),
-    MethodSpec("ngram", _B + "build_ngram", {"max_ngram", "min_ngram"},
-               description="prompt lookup: what followed the latest earlier match of the last n-gram"),
-    MethodSpec("suffix", _B + "build_suffix",
-               {"use_corpus", "corpus", "max_depth", "max_spec_factor", "min_token_prob", "count_depth"},
-               description="suffix decoding over prompt + output and a corpus of earlier outputs"),
-    MethodSpec("xtok", _B + "build_xtok", {"max_length", "draft_tokens", "max_draft_tokens", "dtype"}, needs_draft=True,
-               description="a draft model with another tokenizer; drafts cross over as text"),
-    MethodSpec("lookahead", _B + "build_lookahead", {"window", "ngram", "max_per_key"}, tree_only=True,
-               description="Jacobi iterations on a side branch feed an n-gram pool (trees)"),
-    MethodSpec("early-exit", _B + "build_early_exit", _DRAFT_MODEL | {"layers"}, needs_model=True,
-               description="self-speculation: the target's first layers draft"),
-    MethodSpec("eagle", _B + "build_eagle", _HEAD, trained=True, confidence=True,
-               description="a trained EAGLE head on the target's last-layer features"),
-    MethodSpec("medusa", _B + "build_medusa", _HEAD, trained=True, confidence=True,
-               description="trained Medusa heads on the target's last hidden state"),
-    MethodSpec("hybrid", _B + "build_hybrid", {"min_match", "max_ngram", "drafter"} | _TRAINED_OPTIONS, composed=True,
-               confidence=True,
-               description="prompt lookup where the context repeats, else a trained drafter"),
+    MethodSpec(
+        "draft",
+        _B + "build_draft",
+        _DRAFT_MODEL | {"dtype"},
+        trained=True,
+        confidence=True,
+        uses_draft=True,
+        description="a small draft model sharing the target's tokenizer (default: the shipped distilled one)",
+    ),
+    MethodSpec(
+        "ngram",
+        _B + "build_ngram",
+        {"max_ngram", "min_ngram"},
+        description="prompt lookup: what followed the latest earlier match of the last n-gram",
+    ),
+    MethodSpec(
+        "suffix",
+        _B + "build_suffix",
+        {"use_corpus", "corpus", "max_depth", "max_spec_factor", "min_token_prob", "count_depth"},
+        description="suffix decoding over prompt + output and a corpus of earlier outputs",
+    ),
+    MethodSpec(
+        "xtok",
+        _B + "build_xtok",
+        {"max_length", "draft_tokens", "max_draft_tokens", "dtype"},
+        needs_draft=True,
+        description="a draft model with another tokenizer; drafts cross over as text",
+    ),
+    MethodSpec(
+        "lookahead",
+        _B + "build_lookahead",
+        {"window", "ngram", "max_per_key"},
+        tree_only=True,
+        description="Jacobi iterations on a side branch feed an n-gram pool (trees)",
+    ),
+    MethodSpec(
+        "early-exit",
+        _B + "build_early_exit",
+        _DRAFT_MODEL | {"layers"},
+        needs_model=True,
+        description="self-speculation: the target's first layers draft",
+    ),
+    MethodSpec(
+        "eagle",
+        _B + "build_eagle",
+        _HEAD,
+        trained=True,
+        confidence=True,
+        description="a trained EAGLE head on the target's last-layer features",
+    ),
+    MethodSpec(
+        "medusa",
+        _B + "build_medusa",
+        _HEAD,
+        trained=True,
+        confidence=True,
+        description="trained Medusa heads on the target's last hidden state",
+    ),
+    MethodSpec(
+        "hybrid",
+        _B + "build_hybrid",
+        {"min_match", "max_ngram", "drafter"} | _TRAINED_OPTIONS,
+        composed=True,
+        confidence=True,
+        description="prompt lookup where the context repeats, else a trained drafter",
+    ),
 ):
     register_method(_spec)
 del _spec
 
 METHODS = _Names(lambda spec: True)
-TRAINED = _Names(lambda spec: spec.trained, first=("eagle", "medusa", "draft"))  # methods that can ship a trained drafter per target
+TRAINED = _Names(
+    lambda spec: spec.trained, first=("eagle", "medusa", "draft")
+)  # methods that can ship a trained drafter per target
 COMPOSED = _Names(lambda spec: spec.composed)  # built from a trained drafter; their cards hold only measurements
 TREE_ONLY = _Names(lambda spec: spec.tree_only)  # drafts come from a side branch of the tree forward
 CONFIDENCE_METHODS = _Names(lambda spec: spec.confidence)  # chains that can stop at a token they are unsure of

@@ -70,9 +70,7 @@ class RequestMetrics:
             "tree_nodes": self.tree_nodes,
             "acceptance_rate": _ratio(self.accepted_tokens, self.drafted_tokens),
             "mean_accepted_length": _ratio(self.committed_tokens, self.target_calls),
-            "per_position_acceptance": [
-                _ratio(a, d) for a, d in zip(self.position_accepted, self.position_drafted)
-            ],
+            "per_position_acceptance": [_ratio(a, d) for a, d in zip(self.position_accepted, self.position_drafted)],
             "accepted_length_histogram": {str(n): c for n, c in sorted(self.histogram.items())},
             "queue_s": self.queue_s,
             "prefill_s": self.prefill_s,

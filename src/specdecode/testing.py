@@ -82,7 +82,9 @@ class MarkovLM:
     def new_cache(self, max_length: int) -> TokenCache:
         return TokenCache()
 
-    def forward(self, input_ids: torch.Tensor, cache: TokenCache, positions=None, attn_mask=None, last_only=False) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, cache: TokenCache, positions=None, attn_mask=None, last_only=False
+    ) -> torch.Tensor:
         """Logits from the last two tokens each new token attends to (causal unless ``attn_mask``)."""
         start = cache.length
         cache.tokens.extend(input_ids[0].tolist())
@@ -122,7 +124,9 @@ def sequence_law(model: CausalLM, prompt: list[int], n_new: int, sampling: Sampl
     return law
 
 
-def sample_sequences(decoder: Decoder, prompt: list[int], n_new: int, sampling: SamplingConfig, n: int, seed: int = 0) -> Counter:
+def sample_sequences(
+    decoder: Decoder, prompt: list[int], n_new: int, sampling: SamplingConfig, n: int, seed: int = 0
+) -> Counter:
     """How often each continuation came out of ``n`` generations (request seeds from ``seed``)."""
     counts: Counter = Counter()
     for i in range(n):
@@ -177,8 +181,16 @@ def no_residual_verify(draft: Draft, target_probs: torch.Tensor, generator=None)
     return Verification(torch.tensor([draft.k]), sample(p[draft.k].unsqueeze(0), generator))
 
 
-def proposer_pvalue(target: CausalLM, proposer: Proposer, sampling: SamplingConfig, n: int, k: int = 2,
-                    n_new: int = 3, tree: TreeConfig | None = None, seed: int = 0) -> float:
+def proposer_pvalue(
+    target: CausalLM,
+    proposer: Proposer,
+    sampling: SamplingConfig,
+    n: int,
+    k: int = 2,
+    n_new: int = 3,
+    tree: TreeConfig | None = None,
+    seed: int = 0,
+) -> float:
     """Chi-square p-value of ``n`` speculative samples against the target's exact sequence law."""
     counts = sample_sequences(Decoder(target, proposer, k=k, tree=tree), CONFORMANCE_PROMPT, n_new, sampling, n, seed)
     return chi_square_pvalue(counts, sequence_law(target, CONFORMANCE_PROMPT, n_new, sampling))
@@ -229,7 +241,9 @@ class CertificationReport:
         lines = [f"{'case':<{width}}  {'p-value':>9}  result"]
         for c in self.cases:
             result = "PASS" if c.passed else "FAIL"
-            lines.append(f"{c.name:<{width}}  {format_pvalue(c.pvalue):>9}  {result}" + (f"  {c.detail}" if c.detail else ""))
+            lines.append(
+                f"{c.name:<{width}}  {format_pvalue(c.pvalue):>9}  {result}" + (f"  {c.detail}" if c.detail else "")
+            )
         lines += [f"note: {note}" for note in self.notes]
         lines.append(f"{self.n_passed} passed, {self.n_failed} failed")
         return "\n".join(lines)
@@ -272,7 +286,11 @@ def certify(
     notes = []
     can_tree = caps.trees and target.caps.trees
     if trees and not can_tree:
-        why = "the proposer does not declare caps.trees" if not caps.trees else f"the {target.backend} target cannot verify trees"
+        why = (
+            "the proposer does not declare caps.trees"
+            if not caps.trees
+            else f"the {target.backend} target cannot verify trees"
+        )
         raise ConfigError(f"trees=True, but {why}")
     if trees is None:
         trees = can_tree
@@ -283,7 +301,9 @@ def certify(
     modes = []
     if caps.tree_only:
         if not trees:
-            raise ConfigError(f"proposer {proposer.name!r} drafts only trees (caps.tree_only), and trees cannot run here")
+            raise ConfigError(
+                f"proposer {proposer.name!r} drafts only trees (caps.tree_only), and trees cannot run here"
+            )
         notes.append("chains not checked: the proposer drafts only trees (caps.tree_only)")
     else:
         modes.append(("chain", None))
@@ -295,11 +315,26 @@ def certify(
     for m, (mode, tree) in enumerate(modes):
         for s, (label, sampling) in enumerate(SAMPLINGS.items()):
             case_seed = seed * 1_000 + m * 100 + s
-            cases.append(_sampling_case(f"{mode} {label}", mode, target, proposer, tree, prompt, sampling,
-                                        samples, alpha, k, n_new, case_seed))
+            cases.append(
+                _sampling_case(
+                    f"{mode} {label}",
+                    mode,
+                    target,
+                    proposer,
+                    tree,
+                    prompt,
+                    sampling,
+                    samples,
+                    alpha,
+                    k,
+                    n_new,
+                    case_seed,
+                )
+            )
         cases.append(_greedy_case(f"{mode} greedy identity", mode, target, proposer, tree, k))
-    return CertificationReport(proposer=proposer.name, cases=tuple(cases), alpha=alpha, samples=samples, k=k,
-                               n_new=n_new, notes=tuple(notes))
+    return CertificationReport(
+        proposer=proposer.name, cases=tuple(cases), alpha=alpha, samples=samples, k=k, n_new=n_new, notes=tuple(notes)
+    )
 
 
 def _check_inputs(proposer: object, target: object, samples: int, alpha: float, k: int, n_new: int) -> None:
@@ -314,14 +349,27 @@ def _check_inputs(proposer: object, target: object, samples: int, alpha: float, 
         raise ConfigError(f"samples, k and n_new must be >= 1, got {samples}, {k}, {n_new}")
     if not 0.0 < alpha < 1.0:
         raise ConfigError(f"alpha must be in (0, 1), got {alpha}")
-    if target.vocab_size ** n_new > MAX_SEQUENCES:
-        raise ConfigError(f"the target is not enumerable: vocab {target.vocab_size} ** n_new {n_new} "
-                          f"> {MAX_SEQUENCES} sequences (use a tiny target, e.g. MarkovLM(5, seed=0))")
+    if target.vocab_size**n_new > MAX_SEQUENCES:
+        raise ConfigError(
+            f"the target is not enumerable: vocab {target.vocab_size} ** n_new {n_new} "
+            f"> {MAX_SEQUENCES} sequences (use a tiny target, e.g. MarkovLM(5, seed=0))"
+        )
 
 
-def _sampling_case(name: str, mode: str, target: CausalLM, proposer: Proposer, tree: TreeConfig | None,
-                   prompt: list[int], sampling: SamplingConfig, samples: int, alpha: float, k: int, n_new: int,
-                   seed: int) -> CaseResult:
+def _sampling_case(
+    name: str,
+    mode: str,
+    target: CausalLM,
+    proposer: Proposer,
+    tree: TreeConfig | None,
+    prompt: list[int],
+    sampling: SamplingConfig,
+    samples: int,
+    alpha: float,
+    k: int,
+    n_new: int,
+    seed: int,
+) -> CaseResult:
     try:
         counts = sample_sequences(Decoder(target, proposer, k=k, tree=tree), prompt, n_new, sampling, samples, seed)
         pvalue = chi_square_pvalue(counts, sequence_law(target, prompt, n_new, sampling))
@@ -331,7 +379,9 @@ def _sampling_case(name: str, mode: str, target: CausalLM, proposer: Proposer, t
     return CaseResult(name, mode, sampling, pvalue, pvalue > alpha, detail)
 
 
-def _greedy_case(name: str, mode: str, target: CausalLM, proposer: Proposer, tree: TreeConfig | None, k: int) -> CaseResult:
+def _greedy_case(
+    name: str, mode: str, target: CausalLM, proposer: Proposer, tree: TreeConfig | None, k: int
+) -> CaseResult:
     greedy = SamplingConfig()
     cfg = GenerationConfig(max_new_tokens=GREEDY_TOKENS, sampling=greedy, seed=0)
     try:

@@ -15,10 +15,17 @@ MIN_SPEEDUP = 1.05  # below this, a measured gain is within run-to-run noise on 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specdecode advise", description="Recommend a method and k per category from DIR/results.json.")
+    p = argparse.ArgumentParser(
+        prog="specdecode advise", description="Recommend a method and k per category from DIR/results.json."
+    )
     p.add_argument("dir", help="a bench output folder (holding results.json)")
     p.add_argument("--quick-bench", action="store_true", help="run `specdecode bench --quick --out DIR` first")
-    p.add_argument("--min-speedup", type=float, default=MIN_SPEEDUP, help=f"turn speculation on only above this measured speedup (default {MIN_SPEEDUP})")
+    p.add_argument(
+        "--min-speedup",
+        type=float,
+        default=MIN_SPEEDUP,
+        help=f"turn speculation on only above this measured speedup (default {MIN_SPEEDUP})",
+    )
     p.add_argument("--target", default=None, help="with --quick-bench: target model")
     p.add_argument("--draft", default=None, help="with --quick-bench: draft model (adds method draft)")
     p.add_argument("--workload", default=None, help="with --quick-bench: workload JSONL")
@@ -30,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 def load_results(folder: Path) -> dict[str, Any]:
     path = folder / "results.json"
     if not path.exists():
-        raise InputError(f"no results.json in {folder}; run `specdecode bench --out {folder}` first (or add --quick-bench)")
+        raise InputError(
+            f"no results.json in {folder}; run `specdecode bench --out {folder}` first (or add --quick-bench)"
+        )
     try:
         results = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -55,8 +64,14 @@ def recommend(results: dict[str, Any], min_speedup: float = MIN_SPEEDUP) -> list
             name = scope if len(temps) == 1 else f"{scope} (T={temp:g})"
             rec: dict[str, Any] = {"category": scope, "temperature": temp}
             if not spec:
-                rec.update(method="off", k=None, measured_speedup=None, predicted_speedup=None, acceptance_rate=None,
-                           reason="no speculative cell was measured")
+                rec.update(
+                    method="off",
+                    k=None,
+                    measured_speedup=None,
+                    predicted_speedup=None,
+                    acceptance_rate=None,
+                    reason="no speculative cell was measured",
+                )
                 rec["line"] = f"{name}: off — {rec['reason']}"
                 out.append(rec)
                 continue
@@ -66,17 +81,25 @@ def recommend(results: dict[str, Any], min_speedup: float = MIN_SPEEDUP) -> list
             best = max(useful or spec, key=lambda r: r["speedup"])
             measured, predicted = best["speedup"], best.get("predicted_speedup")
             acc = best.get("acceptance_rate") or 0.0
-            rec.update(measured_speedup=round(measured, 3), acceptance_rate=None if acc is None else round(acc, 3),
-                       predicted_speedup=None if predicted is None else round(predicted, 3), prompts=best["prompts"])
+            rec.update(
+                measured_speedup=round(measured, 3),
+                acceptance_rate=None if acc is None else round(acc, 3),
+                predicted_speedup=None if predicted is None else round(predicted, 3),
+                prompts=best["prompts"],
+            )
             pred = f"predicted {predicted:.2f}x" if predicted is not None else "no prediction"
             if not useful:
                 rec.update(method="off", k=None)
-                rec["reason"] = (f"no draft was ever accepted (best measured {measured:.2f}x, {_label(best)}, "
-                                 "is timing noise): speculation cannot pay")
+                rec["reason"] = (
+                    f"no draft was ever accepted (best measured {measured:.2f}x, {_label(best)}, "
+                    "is timing noise): speculation cannot pay"
+                )
                 rec["line"] = f"{name}: off — {rec['reason']}"
             elif measured >= min_speedup:
                 rec.update(method=best["method"], k=best["k"])
-                extra = f"; mean k {best['mean_k']:.1f}" if best["k"] == "auto" and best.get("mean_k") is not None else ""
+                extra = (
+                    f"; mean k {best['mean_k']:.1f}" if best["k"] == "auto" and best.get("mean_k") is not None else ""
+                )
                 rec["reason"] = f"measured {measured:.2f}x, {pred}; acceptance {acc:.0%}{extra}"
                 rec["line"] = f"{name}: {_label(best)} — {rec['reason']}"
             else:
@@ -102,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         from specdecode.bench import runner
 
         bench_argv = ["--quick", "--out", str(folder)]
-        for flag, value in (("--target", args.target), ("--draft", args.draft), ("--workload", args.workload),
-                            ("--threads", args.threads)):
+        for flag, value in (
+            ("--target", args.target),
+            ("--draft", args.draft),
+            ("--workload", args.workload),
+            ("--threads", args.threads),
+        ):
             if value:
                 bench_argv += [flag, value]
         if args.no_hf:
@@ -112,12 +139,16 @@ def main(argv: list[str] | None = None) -> int:
             runner.main(bench_argv)
     results = load_results(folder)
     recs = recommend(results, args.min_speedup)
-    print(f"advice from {folder / 'results.json'} ({len(results.get('prompts', []))} prompts; "
-          f"speculation on only above {args.min_speedup:.2f}x measured):")
+    print(
+        f"advice from {folder / 'results.json'} ({len(results.get('prompts', []))} prompts; "
+        f"speculation on only above {args.min_speedup:.2f}x measured):"
+    )
     for rec in recs:
         print("  " + rec["line"])
     summary = {
-        "command": "advise", "results": str(folder / "results.json"), "min_speedup": args.min_speedup,
+        "command": "advise",
+        "results": str(folder / "results.json"),
+        "min_speedup": args.min_speedup,
         "recommendations": [{k: v for k, v in rec.items() if k != "line"} for rec in recs],
     }
     print(json.dumps(summary), flush=True)

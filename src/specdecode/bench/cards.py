@@ -20,10 +20,9 @@ from specdecode.bench.runner import CONF_SUFFIX, TREE_SUFFIX, base_method
 from specdecode.errors import InputError
 from specdecode.methods import COMPOSED, TRAINED
 
-
 COMPOSED_HOW = {
     "hybrid": "prompt lookup when the context's last 2+ tokens occurred before; else the trained drafter "
-              "(settings.drafter) with its confidence stop; a 1-token match when that drafter is unsure",
+    "(settings.drafter) with its confidence stop; a 1-token match when that drafter is unsure",
 }
 
 
@@ -34,12 +33,16 @@ def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ngram = max((a["speedup"] for a in overall.values() if a["method"] == "ngram"), default=None)
     blocks = {}
     for method in TRAINED + COMPOSED:
-        chains = [a for a in overall.values() if base_method(a["method"]) == method and not a["method"].endswith(TREE_SUFFIX)]
+        chains = [
+            a for a in overall.values() if base_method(a["method"]) == method and not a["method"].endswith(TREE_SUFFIX)
+        ]
         if not chains:
             continue
         best = max(chains, key=lambda a: a["speedup"])
         conf = best["method"].endswith(CONF_SUFFIX)
-        settings = {"k": best["k"]} | ({"policy": "confidence", "confidence": results["config"]["confidence"]} if conf else {})
+        settings = {"k": best["k"]} | (
+            {"policy": "confidence", "confidence": results["config"]["confidence"]} if conf else {}
+        )
         if method in COMPOSED:
             settings["drafter"] = results["config"].get("hybrid_drafter")
         per_cat = [a for a in rows if a["cell"] == best["cell"] and a["category"] != "overall"]
@@ -50,24 +53,28 @@ def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "settings": settings,
             "cell": best["method"],
             "decoding": f"greedy chain, native {results['config']['dtype']}; speedup vs plain decoding measured "
-                        "side by side in the same run",
+            "side by side in the same run",
             "per_category_speedup": {a["category"]: round(a["speedup"], 3) for a in per_cat},
             "per_category_mean_accepted_length": {a["category"]: round(a["mean_accepted_length"], 3) for a in per_cat},
             "workload": f"{Path(results['config']['workload']).name}, {results['config']['prompts_per_category']} "
-                        f"prompts per category, {results['config']['max_new_tokens']} new tokens",
+            f"prompts per category, {results['config']['max_new_tokens']} new tokens",
             "command": shlex.join(results["command"]),
         }
         trees = [a for a in overall.values() if a["method"] == method + TREE_SUFFIX]
         if trees:
             tree = max(trees, key=lambda a: a["speedup"])
-            block["tree"] = {"speedup": round(tree["speedup"], 3), "mean_accepted_length": round(tree["mean_accepted_length"], 3),
-                             "k": tree["k"]}
+            block["tree"] = {
+                "speedup": round(tree["speedup"], 3),
+                "mean_accepted_length": round(tree["mean_accepted_length"], 3),
+                "k": tree["k"],
+            }
         blocks[method] = block
     return blocks
 
 
-def record(results_path: str | Path, drafters_dir: str | Path | None = None,
-           methods: tuple[str, ...] | None = None) -> list[Path]:
+def record(
+    results_path: str | Path, drafters_dir: str | Path | None = None, methods: tuple[str, ...] | None = None
+) -> list[Path]:
     """Update the cards of the drafters shipped for the run's target (only ``methods`` when given,
     so a run that measured some drafters leaves the others' blocks alone); the cards written."""
     from specdecode.networks import storage
@@ -101,17 +108,24 @@ def record(results_path: str | Path, drafters_dir: str | Path | None = None,
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="specdecode record-drafters",
-                                description="Record a bench run's drafter speedups in the shipped drafters' cards.")
+    p = argparse.ArgumentParser(
+        prog="specdecode record-drafters",
+        description="Record a bench run's drafter speedups in the shipped drafters' cards.",
+    )
     p.add_argument("results", help="a bench output folder or its results.json")
     p.add_argument("--drafters", default=None, help="drafters folder (default: the package's)")
-    p.add_argument("--methods", default=None,
-                   help=f"comma list of the cards to update (default: every one the run measured; of {', '.join(TRAINED + COMPOSED)})")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma list of the cards to update (default: every one the run measured; of {', '.join(TRAINED + COMPOSED)})",
+    )
     args = p.parse_args(argv)
     methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else None
     unknown = set(methods or ()) - set(TRAINED + COMPOSED)
     if unknown:
-        raise InputError(f"--methods: unknown {', '.join(sorted(unknown))}; choose from {', '.join(TRAINED + COMPOSED)}")
+        raise InputError(
+            f"--methods: unknown {', '.join(sorted(unknown))}; choose from {', '.join(TRAINED + COMPOSED)}"
+        )
     for card in record(args.results, args.drafters, methods):
         print(f"updated {card}")
     return 0

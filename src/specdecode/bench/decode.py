@@ -103,10 +103,14 @@ def hf_runner(model_dir: Path) -> Runner:
         x = torch.tensor([ids])
         with torch.inference_mode():
             out = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                do_sample=False, pad_token_id=model.config.eos_token_id,
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=model.config.eos_token_id,
             )
-        return out[0, len(ids):].tolist()
+        return out[0, len(ids) :].tolist()
 
     return run
 
@@ -169,7 +173,7 @@ def run_interleaved(runners: dict[str, Runner], prompts: list[Prompt], n: int) -
     names = list(runners)
     timings = {name: Timing() for name in names}
     for i, prompt in enumerate(prompts):
-        for name in names[i % len(names):] + names[: i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             t = time.perf_counter()
             tokens = runners[name](prompt.ids, n)
             timings[name].seconds.append(time.perf_counter() - t)
@@ -191,14 +195,16 @@ def forward_curve(model: Any, reps: int, context: int = CURVE_CONTEXT) -> dict[s
     for _ in range(reps + 1):  # the first pass warms up and is dropped
         for k in K_VALUES:  # interleaved: drift hits every k alike
             t = time.perf_counter()
-            model.forward(ids[:, context:context + k], cache)
+            model.forward(ids[:, context : context + k], cache)
             samples[k].append(time.perf_counter() - t)
             cache.trim(context)
     median = {k: statistics.median(v[1:]) for k, v in samples.items()}
     return {"k1_ms": median[1] * 1e3, "ratio": {k: median[k] / median[1] for k in K_VALUES}}
 
 
-def batch_throughput(model: Any, prompts: list[Prompt], n: int, sizes: tuple[int, ...] = BATCH_SIZES) -> dict[int, float]:
+def batch_throughput(
+    model: Any, prompts: list[Prompt], n: int, sizes: tuple[int, ...] = BATCH_SIZES
+) -> dict[int, float]:
     """Aggregate tok/s of all prompts decoded together (continuous batching, at most ``size`` at once)."""
     from specdecode.engine import Engine, EngineConfig, GenerationConfig
 
@@ -247,8 +253,11 @@ def agreement(a: list[list[int]], b: list[list[int]], stop: tuple[int, ...] = ()
     force the length while the engine just ignores it, so what follows an EOS may differ.
     """
     first = [_divergence(_until(s, stop), t) for s, t in zip(a, b)]
-    return {"identical": sum(f is None for f in first), "of": len(first),
-            "first_divergence": [f for f in first if f is not None]}
+    return {
+        "identical": sum(f is None for f in first),
+        "of": len(first),
+        "first_divergence": [f for f in first if f is not None],
+    }
 
 
 def _until(tokens: list[int], stop: tuple[int, ...]) -> list[int]:
@@ -295,7 +304,9 @@ def render(result: dict[str, Any]) -> None:
         f"peak RSS {result['peak_rss_mb']:.0f} MiB"
     )
     for pair, agree in result["agreement"].items():
-        console.print(f"{pair}: {agree['identical']}/{agree['of']} identical, first divergence {agree['first_divergence']}")
+        console.print(
+            f"{pair}: {agree['identical']}/{agree['of']} identical, first divergence {agree['first_divergence']}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from specdecode.core.cost_model import expected_tokens_per_round, predict_tokens_per_s, speedup_bound, tokens_per_call_needed
+from specdecode.core.cost_model import (
+    expected_tokens_per_round,
+    predict_tokens_per_s,
+    speedup_bound,
+    tokens_per_call_needed,
+)
 
 OVERALL = "overall"
 PLOTS = {
@@ -73,8 +78,13 @@ def _sum(recs: list[dict[str, Any]], field: str) -> float:
     return float(sum((r["stats"].get(field) or 0.0) for r in recs))
 
 
-def _row(cell: dict[str, Any], scope: str, recs: list[dict[str, Any]], plain: dict[str, dict[str, Any]],
-         curve: dict[int, float]) -> dict[str, Any]:
+def _row(
+    cell: dict[str, Any],
+    scope: str,
+    recs: list[dict[str, Any]],
+    plain: dict[str, dict[str, Any]],
+    curve: dict[int, float],
+) -> dict[str, Any]:
     tokens = _sum(recs, "new_tokens")
     calls = _sum(recs, "target_calls")
     drafted = _sum(recs, "drafted_tokens")
@@ -90,10 +100,17 @@ def _row(cell: dict[str, Any], scope: str, recs: list[dict[str, Any]], plain: di
             pos_a[i] += a[i]
     history = [k for r in recs for k in (r["stats"].get("k_history") or [])]
     row: dict[str, Any] = {
-        "cell": cell["key"], "method": cell["method"], "k": cell["k"], "temperature": cell["temperature"],
-        "category": scope, "prompts": len(recs), "new_tokens": int(tokens), "target_calls": int(calls),
+        "cell": cell["key"],
+        "method": cell["method"],
+        "k": cell["k"],
+        "temperature": cell["temperature"],
+        "category": scope,
+        "prompts": len(recs),
+        "new_tokens": int(tokens),
+        "target_calls": int(calls),
         "target_calls_per_token": _div(calls, tokens),
-        "drafted_tokens": int(drafted), "accepted_tokens": int(accepted),
+        "drafted_tokens": int(drafted),
+        "accepted_tokens": int(accepted),
         "acceptance_rate": _div(accepted, drafted) if cell["method"] not in ("none", "hf") else None,
         "mean_accepted_length": _div(sum(_committed(r["stats"]) for r in recs), calls) if timed else 1.0,
         "per_position_acceptance": [_div(a, d) for a, d in zip(pos_a, pos_d)],
@@ -101,10 +118,13 @@ def _row(cell: dict[str, Any], scope: str, recs: list[dict[str, Any]], plain: di
         # P(a round accepts more than i drafts), over every target call: what the cost model takes
         "round_acceptance": [_div(a, calls) for a in pos_a],
         "mean_k": _div(sum(history), len(history)) if history else None,
-        "total_s": total, "tokens_per_s": _div(tokens, total),
+        "total_s": total,
+        "tokens_per_s": _div(tokens, total),
         "ttft_s": _div(_sum(recs, "ttft_s"), len(recs)),
-        "tpot_s": _div(sum(r["stats"]["total_s"] - r["stats"]["ttft_s"] for r in recs),
-                       sum(max(r["stats"]["new_tokens"] - 1, 0) for r in recs)),
+        "tpot_s": _div(
+            sum(r["stats"]["total_s"] - r["stats"]["ttft_s"] for r in recs),
+            sum(max(r["stats"]["new_tokens"] - 1, 0) for r in recs),
+        ),
         "peak_rss_mb": max(float(r["stats"].get("peak_rss_mb") or 0.0) for r in recs),
     }
     for part in ("prefill_s", "draft_s", "verify_s", "overhead_s"):
@@ -130,7 +150,9 @@ def _row(cell: dict[str, Any], scope: str, recs: list[dict[str, Any]], plain: di
             p_time = _sum(base, "prefill_s") + _sum(base, "new_tokens") / pred_plain
             row["predicted_speedup"] = (_sum(common, "new_tokens") / c_time) / (_sum(base, "new_tokens") / p_time)
     if cell["temperature"] == 0 and cell["method"] != "none" and common:
-        row["greedy_match"] = _div(sum(r["token_ids"] == plain[r["prompt_id"]]["token_ids"] for r in common), len(common))
+        row["greedy_match"] = _div(
+            sum(r["token_ids"] == plain[r["prompt_id"]]["token_ids"] for r in common), len(common)
+        )
     else:
         row["greedy_match"] = None
     return row
@@ -208,11 +230,20 @@ def _rows(results: dict[str, Any], scope: str) -> list[dict[str, Any]]:
 
 
 TABLE_COLUMNS = [
-    ("cell", "cell"), ("prompts", "prompts"), ("tokens", "tokens"), ("accept", "acceptance"),
-    ("MAL", "mean accepted length (bonus included)"), ("calls/tok", "target calls per token"),
-    ("draft/verify/other/prefill", "time split"), ("TTFT ms", "time to first token"),
-    ("TPOT ms", "time per output token"), ("tok/s", "tokens per second"), ("speedup", "vs plain"),
-    ("predicted", "cost model"), ("same tokens", "greedy output equals plain"), ("peak MB", "peak RSS"),
+    ("cell", "cell"),
+    ("prompts", "prompts"),
+    ("tokens", "tokens"),
+    ("accept", "acceptance"),
+    ("MAL", "mean accepted length (bonus included)"),
+    ("calls/tok", "target calls per token"),
+    ("draft/verify/other/prefill", "time split"),
+    ("TTFT ms", "time to first token"),
+    ("TPOT ms", "time per output token"),
+    ("tok/s", "tokens per second"),
+    ("speedup", "vs plain"),
+    ("predicted", "cost model"),
+    ("same tokens", "greedy output equals plain"),
+    ("peak MB", "peak RSS"),
 ]
 
 
@@ -225,10 +256,20 @@ def table_cells(row: dict[str, Any], with_temp: bool) -> list[str]:
     if row.get("mean_k") is not None and row["k"] == "auto":
         label += f" (mean k {row['mean_k']:.1f})"
     return [
-        label, str(row["prompts"]), str(row["new_tokens"]), _pct(row["acceptance_rate"]),
-        _f(row["mean_accepted_length"]), _f(row["target_calls_per_token"], 3), split,
-        _f(row["ttft_s"], 1, 1000), _f(row["tpot_s"], 1, 1000), _f(row["tokens_per_s"], 1),
-        _x(row["speedup"]), _x(row["predicted_speedup"]), _pct(row["greedy_match"]), _f(row["peak_rss_mb"], 0),
+        label,
+        str(row["prompts"]),
+        str(row["new_tokens"]),
+        _pct(row["acceptance_rate"]),
+        _f(row["mean_accepted_length"]),
+        _f(row["target_calls_per_token"], 3),
+        split,
+        _f(row["ttft_s"], 1, 1000),
+        _f(row["tpot_s"], 1, 1000),
+        _f(row["tokens_per_s"], 1),
+        _x(row["speedup"]),
+        _x(row["predicted_speedup"]),
+        _pct(row["greedy_match"]),
+        _f(row["peak_rss_mb"], 0),
     ]
 
 
@@ -268,7 +309,8 @@ def summary_markdown(results: dict[str, Any]) -> str:
         f"- command: `{' '.join(results['command'])}`",
         f"- created: {results['created']}; elapsed {results['run']['elapsed_s']} s "
         f"({results['run']['ran']} runs now, {results['run']['resumed']} resumed)",
-        f"- target: `{cfg['target']}` ({cfg['backend']}, {cfg['dtype']})" + (f"; draft: `{cfg['draft']}`" if cfg["draft"] else ""),
+        f"- target: `{cfg['target']}` ({cfg['backend']}, {cfg['dtype']})"
+        + (f"; draft: `{cfg['draft']}`" if cfg["draft"] else ""),
         f"- workload: `{cfg['workload']}`; {len(results['prompts'])} prompts; max new tokens {cfg['max_new_tokens']}; "
         f"temperatures {', '.join(f'{t:g}' for t in cfg['temperatures'])}; seed {cfg['seed']}",
         f"- machine: {machine['cpu']} ({machine['cpu_count']} CPUs, torch {machine['torch']} with "
@@ -290,18 +332,29 @@ def summary_markdown(results: dict[str, Any]) -> str:
     spec_rows = [r for r in _rows(results, OVERALL) if r["method"] not in ("none", "hf")]
     width = max((len(r["per_position_acceptance"]) for r in spec_rows), default=0)
     if width:
-        parts.append(_md_table(["cell"] + [str(i + 1) for i in range(width)], [
-            [cell_label(r, multi)] + [_pct(v) for v in r["per_position_acceptance"]] + ["—"] * (width - len(r["per_position_acceptance"]))
-            for r in spec_rows
-        ]))
+        parts.append(
+            _md_table(
+                ["cell"] + [str(i + 1) for i in range(width)],
+                [
+                    [cell_label(r, multi)]
+                    + [_pct(v) for v in r["per_position_acceptance"]]
+                    + ["—"] * (width - len(r["per_position_acceptance"]))
+                    for r in spec_rows
+                ],
+            )
+        )
     else:
         parts.append("(no speculative cells)")
     bound = ceiling(results)
     if bound is not None:
         parts += ["", "## Ceiling", "", ceiling_sentence(bound)]
     curve = results["cost_curve"]["forward_s"]
-    parts += ["", f"## Target forward cost c(n) after {results['cost_curve']['context_tokens']} cached tokens", "",
-              _md_table(["n tokens"] + list(curve), [["ms"] + [f"{float(v) * 1000:.2f}" for v in curve.values()]])]
+    parts += [
+        "",
+        f"## Target forward cost c(n) after {results['cost_curve']['context_tokens']} cached tokens",
+        "",
+        _md_table(["n tokens"] + list(curve), [["ms"] + [f"{float(v) * 1000:.2f}" for v in curve.values()]]),
+    ]
     if results["skipped_cells"]:
         parts += ["", "## Skipped cells", ""] + [f"- `{s['key']}`: {s['reason']}" for s in results["skipped_cells"]]
     truncated = [p["id"] for p in results["prompts"] if p["truncated"]]
@@ -326,8 +379,10 @@ def ceiling(results: dict[str, Any]) -> dict[str, Any] | None:
 
     def bound(prefill: float) -> dict[str, Any]:
         need = {f"{x:g}x": tokens_per_call_needed(x, k, curve, prefill) for x in CEILING_TARGETS}
-        return {"perfect_drafts_speedup": _round(speedup_bound(k + 1, k, curve, prefill)),
-                "mal_needed": {x: None if math.isinf(v) else _round(v, 2) for x, v in need.items()}}
+        return {
+            "perfect_drafts_speedup": _round(speedup_bound(k + 1, k, curve, prefill)),
+            "mal_needed": {x: None if math.isinf(v) else _round(v, 2) for x, v in need.items()},
+        }
 
     # Decode only: the limit for long outputs, where prefill's share goes to 0.
     return {"k": k, "prefill_share": _round(share), **bound(share), "decode_only": bound(0.0)}
@@ -337,9 +392,11 @@ def ceiling_sentence(c: dict[str, Any]) -> str:
     def needs(b: dict[str, Any]) -> str:
         return ", ".join(f"{x} {'out of reach' if v is None else f'MAL {v:.2f}'}" for x, v in b["mal_needed"].items())
 
-    return (f"Ceiling at k={c['k']}, drafting for free: with this run's prefill ({c['prefill_share']:.0%} of plain time, "
-            f"never sped up) perfect drafts give {c['perfect_drafts_speedup']:.2f}x, and {needs(c)}; decode only "
-            f"(long outputs) perfect drafts give {c['decode_only']['perfect_drafts_speedup']:.2f}x, and {needs(c['decode_only'])}.")
+    return (
+        f"Ceiling at k={c['k']}, drafting for free: with this run's prefill ({c['prefill_share']:.0%} of plain time, "
+        f"never sped up) perfect drafts give {c['perfect_drafts_speedup']:.2f}x, and {needs(c)}; decode only "
+        f"(long outputs) perfect drafts give {c['decode_only']['perfect_drafts_speedup']:.2f}x, and {needs(c['decode_only'])}."
+    )
 
 
 # -- plots -------------------------------------------------------------------------------------
@@ -348,7 +405,6 @@ def make_plots(results: dict[str, Any]) -> dict[str, bytes]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     multi = _multi_temp(results)
@@ -375,8 +431,13 @@ def make_plots(results: dict[str, Any]) -> dict[str, bytes]:
         for scope in scopes:
             row = next((r for r in results["aggregates"] if r["cell"] == cell["key"] and r["category"] == scope), None)
             vals.append(row["speedup"] if row and row["speedup"] is not None else math.nan)
-        ax.bar([i + (j - (len(cells) - 1) / 2) * width for i in range(len(scopes))], vals, width,
-               label=cell_label(cell, multi), color=colors[j % len(colors)])
+        ax.bar(
+            [i + (j - (len(cells) - 1) / 2) * width for i in range(len(scopes))],
+            vals,
+            width,
+            label=cell_label(cell, multi),
+            color=colors[j % len(colors)],
+        )
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
     ax.set_xticks(range(len(scopes)), scopes, rotation=20)
     ax.set_ylabel("speedup vs plain (x)")
@@ -415,12 +476,22 @@ def make_plots(results: dict[str, Any]) -> dict[str, bytes]:
         fixed = sorted((r for r in rows if isinstance(r["k"], int)), key=lambda r: r["k"])
         line = None
         if fixed:
-            (line,) = ax.plot([r["k"] for r in fixed], [r["speedup"] or math.nan for r in fixed], marker="o", label=f"{name} measured")
-            ax.plot([r["k"] for r in fixed], [r["predicted_speedup"] or math.nan for r in fixed], marker="x",
-                    linestyle="--", color=line.get_color(), label=f"{name} predicted")
+            (line,) = ax.plot(
+                [r["k"] for r in fixed], [r["speedup"] or math.nan for r in fixed], marker="o", label=f"{name} measured"
+            )
+            ax.plot(
+                [r["k"] for r in fixed],
+                [r["predicted_speedup"] or math.nan for r in fixed],
+                marker="x",
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{name} predicted",
+            )
         for r in rows:
             if r["k"] == "auto" and r["speedup"] is not None:
-                ax.axhline(r["speedup"], linestyle=":", color=line.get_color() if line else None, label=f"{name} k=auto")
+                ax.axhline(
+                    r["speedup"], linestyle=":", color=line.get_color() if line else None, label=f"{name} k=auto"
+                )
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
     fixed_ks = [r["k"] for rows in series.values() for r in rows if isinstance(r["k"], int)]
     if fixed_ks:
@@ -480,8 +551,11 @@ def report_html(results: dict[str, Any], pngs: dict[str, bytes]) -> str:
     scopes, lines = _speedup_matrix(results)
     parts.append(_html_table(["cell"] + scopes, [[label] + vals for label, vals in lines]))
     parts.append("<div class='plots'>")
-    for name, title in (("speedup_by_category", "Speedup by category and method"),
-                        ("speedup_vs_k", "Speedup vs k"), ("acceptance_by_position", "Acceptance by position")):
+    for name, title in (
+        ("speedup_by_category", "Speedup by category and method"),
+        ("speedup_vs_k", "Speedup vs k"),
+        ("acceptance_by_position", "Acceptance by position"),
+    ):
         if name in pngs:
             data = base64.b64encode(pngs[name]).decode("ascii")
             parts.append(f"<h2>{esc(title)}</h2><img alt='{esc(title)}' src='data:image/png;base64,{data}'>")
@@ -494,10 +568,15 @@ def report_html(results: dict[str, Any], pngs: dict[str, bytes]) -> str:
     parts.append(f"<h2>Target forward cost c(n) after {results['cost_curve']['context_tokens']} cached tokens</h2>")
     parts.append(_html_table(["n tokens"] + list(curve), [["ms"] + [f"{float(v) * 1000:.2f}" for v in curve.values()]]))
     if results["skipped_cells"]:
-        parts.append("<h2>Skipped cells</h2><ul>" + "".join(
-            f"<li><code>{esc(s['key'])}</code>: {esc(s['reason'])}</li>" for s in results["skipped_cells"]) + "</ul>")
-    parts.append("<p class='meta'>Raw per-prompt records: <code>results.json</code> and <code>cells.jsonl</code> "
-                 "next to this file.</p></body></html>")
+        parts.append(
+            "<h2>Skipped cells</h2><ul>"
+            + "".join(f"<li><code>{esc(s['key'])}</code>: {esc(s['reason'])}</li>" for s in results["skipped_cells"])
+            + "</ul>"
+        )
+    parts.append(
+        "<p class='meta'>Raw per-prompt records: <code>results.json</code> and <code>cells.jsonl</code> "
+        "next to this file.</p></body></html>"
+    )
     return "\n".join(parts)
 
 
@@ -542,18 +621,27 @@ def summary_line(results: dict[str, Any], out: Path) -> dict[str, Any]:
     overall = {}
     for row in _rows(results, OVERALL):
         overall[cell_label(row, multi)] = {
-            "speedup": _round(row["speedup"]), "predicted_speedup": _round(row["predicted_speedup"]),
-            "tokens_per_s": _round(row["tokens_per_s"]), "acceptance_rate": _round(row["acceptance_rate"]),
+            "speedup": _round(row["speedup"]),
+            "predicted_speedup": _round(row["predicted_speedup"]),
+            "tokens_per_s": _round(row["tokens_per_s"]),
+            "acceptance_rate": _round(row["acceptance_rate"]),
             "mean_accepted_length": _round(row["mean_accepted_length"]),
         }
     spec = [r for r in _rows(results, OVERALL) if r["method"] not in ("none", "hf") and r["speedup"] is not None]
     best = max(spec, key=lambda r: r["speedup"], default=None)
     return {
-        "command": "bench", "out": str(out), "results": str(out / "results.json"), "report": str(out / "report.html"),
-        "prompts": len(results["prompts"]), "categories": results["categories"],
-        "ran": results["run"]["ran"], "resumed": results["run"]["resumed"], "elapsed_s": results["run"]["elapsed_s"],
+        "command": "bench",
+        "out": str(out),
+        "results": str(out / "results.json"),
+        "report": str(out / "report.html"),
+        "prompts": len(results["prompts"]),
+        "categories": results["categories"],
+        "ran": results["run"]["ran"],
+        "resumed": results["run"]["resumed"],
+        "elapsed_s": results["run"]["elapsed_s"],
         "best": None if best is None else {"cell": cell_label(best, multi), "speedup": _round(best["speedup"])},
-        "overall": overall, "ceiling": ceiling(results),
+        "overall": overall,
+        "ceiling": ceiling(results),
     }
 
 

@@ -34,10 +34,22 @@ AUTO_K_MAX = 8  # k_max the engine's auto policy uses by default
 
 # --quick uses one torch thread: on a small shared machine, OpenMP threads that outnumber free
 # cores make every forward many times slower and the timings meaningless.
-QUICK = {"prompts_per_category": 1, "max_new_tokens": 32, "methods": "none,ngram", "k": "2,4,auto", "temperatures": "0",
-         "threads": 1}
-DEFAULTS = {"prompts_per_category": 10, "max_new_tokens": 128, "methods": "none,ngram", "k": "2,4,8,auto", "temperatures": "0",
-            "threads": None}
+QUICK = {
+    "prompts_per_category": 1,
+    "max_new_tokens": 32,
+    "methods": "none,ngram",
+    "k": "2,4,auto",
+    "temperatures": "0",
+    "threads": 1,
+}
+DEFAULTS = {
+    "prompts_per_category": 10,
+    "max_new_tokens": 128,
+    "methods": "none,ngram",
+    "k": "2,4,8,auto",
+    "temperatures": "0",
+    "threads": None,
+}
 
 
 @dataclass(frozen=True)
@@ -72,21 +84,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workload", default=None, help=f"JSONL file (default: {default_workload_path()})")
     p.add_argument("--out", required=True, help="output folder (re-use it to resume)")
-    p.add_argument("--quick", action="store_true", help="1 prompt per category, 32 tokens, none+ngram, k 2,4,auto, 1 thread")
+    p.add_argument(
+        "--quick", action="store_true", help="1 prompt per category, 32 tokens, none+ngram, k 2,4,auto, 1 thread"
+    )
     p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft model for method 'draft'")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
-    p.add_argument("--methods", default=None, help=f"comma list of {', '.join(METHODS)} (default {DEFAULTS['methods']}, plus draft with --draft)")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma list of {', '.join(METHODS)} (default {DEFAULTS['methods']}, plus draft with --draft)",
+    )
     p.add_argument("--k", default=None, help=f"comma list of draft lengths and/or auto (default {DEFAULTS['k']})")
-    p.add_argument("--confidence", type=float, default=0.5,
-                   help=f"threshold of the {CONF_SUFFIX} methods ({', '.join(CONFIDENCE_METHODS)}{CONF_SUFFIX})")
+    p.add_argument(
+        "--confidence",
+        type=float,
+        default=0.5,
+        help=f"threshold of the {CONF_SUFFIX} methods ({', '.join(CONFIDENCE_METHODS)}{CONF_SUFFIX})",
+    )
     p.add_argument("--temperatures", default=None, help="comma list; 0 = greedy (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=None, help=f"default {DEFAULTS['max_new_tokens']}")
-    p.add_argument("--prompts-per-category", type=int, default=None, help=f"0 = all (default {DEFAULTS['prompts_per_category']})")
+    p.add_argument(
+        "--prompts-per-category", type=int, default=None, help=f"0 = all (default {DEFAULTS['prompts_per_category']})"
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt sample and sampling seed")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; 1 with --quick)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; 1 with --quick)"
+    )
     return p
 
 
@@ -129,11 +155,22 @@ def parse_options(argv: list[str]) -> Options:
     if per_cat < 0:
         raise ConfigError(f"--prompts-per-category must be >= 0, got {per_cat}")
     return Options(
-        workload=args.workload, out=Path(args.out), quick=args.quick, target=args.target, draft=args.draft,
-        dtype=args.dtype, backend=args.backend, methods=methods, ks=_ks(args.k or preset["k"]),
-        temperatures=_temperatures(args.temperatures or preset["temperatures"]), max_new_tokens=max_new,
-        prompts_per_category=per_cat, seed=args.seed, hf=not args.no_hf,
-        threads=args.threads if args.threads is not None else preset["threads"], confidence=args.confidence,
+        workload=args.workload,
+        out=Path(args.out),
+        quick=args.quick,
+        target=args.target,
+        draft=args.draft,
+        dtype=args.dtype,
+        backend=args.backend,
+        methods=methods,
+        ks=_ks(args.k or preset["k"]),
+        temperatures=_temperatures(args.temperatures or preset["temperatures"]),
+        max_new_tokens=max_new,
+        prompts_per_category=per_cat,
+        seed=args.seed,
+        hf=not args.no_hf,
+        threads=args.threads if args.threads is not None else preset["threads"],
+        confidence=args.confidence,
     )
 
 
@@ -155,8 +192,10 @@ def _methods(text: str) -> list[str]:
     for m in methods:
         base = base_method(m)
         if base not in METHODS or (base == "none" and m != "none"):
-            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(METHODS)} (+tree, or +conf for "
-                              f"{', '.join(CONFIDENCE_METHODS)})")
+            raise ConfigError(
+                f"unknown method {m!r}; choose from {', '.join(METHODS)} (+tree, or +conf for "
+                f"{', '.join(CONFIDENCE_METHODS)})"
+            )
         if m.endswith(CONF_SUFFIX) and not method_spec(base).confidence:
             raise ConfigError(f"{m!r}: only {', '.join(CONFIDENCE_METHODS)} chains stop on confidence")
     return methods
@@ -209,9 +248,12 @@ def machine_info() -> dict[str, Any]:
     commit = None
     try:
         root = Path(__file__).resolve().parents[3]
-        commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        ).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         pass
     return {
@@ -268,8 +310,9 @@ class _FirstTokenTimer:
         pass
 
 
-def hf_generate(model: Any, ids: list[int], max_new_tokens: int, temperature: float, seed: int,
-                eos_ids: tuple[int, ...]) -> tuple[list[int], dict[str, Any]]:
+def hf_generate(
+    model: Any, ids: list[int], max_new_tokens: int, temperature: float, seed: int, eos_ids: tuple[int, ...]
+) -> tuple[list[int], dict[str, Any]]:
     """transformers ``generate`` on the same prompt ids; a stats record like the engine's."""
     import torch
     from transformers import GenerationConfig as HFGenerationConfig
@@ -277,8 +320,12 @@ def hf_generate(model: Any, ids: list[int], max_new_tokens: int, temperature: fl
     from specdecode.metrics import peak_rss_mb
 
     eos = list(eos_ids) or None
-    options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos,
-                               "pad_token_id": eos[0] if eos else 0, "do_sample": temperature > 0}
+    options: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "eos_token_id": eos,
+        "pad_token_id": eos[0] if eos else 0,
+        "do_sample": temperature > 0,
+    }
     if temperature > 0:
         options.update(temperature=temperature, top_k=0, top_p=1.0)
     config = HFGenerationConfig(**options)
@@ -287,21 +334,38 @@ def hf_generate(model: Any, ids: list[int], max_new_tokens: int, temperature: fl
     input_ids = torch.tensor([ids], dtype=torch.long)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, streamer=timer)
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, streamer=timer
+        )
     total = time.perf_counter() - start
-    new = [int(t) for t in out[0, len(ids):].tolist()]
+    new = [int(t) for t in out[0, len(ids) :].tolist()]
     while new and eos and len(new) > 1 and new[-1] in eos and new[-2] in eos:  # padding after EOS
         new.pop()
     n = len(new)
     ttft = (timer.first - start) if timer.first is not None else total
     stats = {
-        "method": "hf", "k": 0, "policy": "none", "prompt_tokens": len(ids), "new_tokens": n,
-        "target_calls": n, "target_calls_per_token": 1.0 if n else 0.0, "drafted_tokens": 0,
-        "accepted_tokens": 0, "acceptance_rate": 0.0, "mean_accepted_length": 1.0 if n else 0.0,
-        "per_position_acceptance": [], "accepted_length_histogram": {},
-        "prefill_s": None, "draft_s": None, "verify_s": None, "overhead_s": None,
-        "total_s": total, "ttft_s": ttft, "tpot_s": (total - ttft) / (n - 1) if n > 1 else 0.0,
-        "tokens_per_s": n / total if total else 0.0, "peak_rss_mb": round(peak_rss_mb(), 1),
+        "method": "hf",
+        "k": 0,
+        "policy": "none",
+        "prompt_tokens": len(ids),
+        "new_tokens": n,
+        "target_calls": n,
+        "target_calls_per_token": 1.0 if n else 0.0,
+        "drafted_tokens": 0,
+        "accepted_tokens": 0,
+        "acceptance_rate": 0.0,
+        "mean_accepted_length": 1.0 if n else 0.0,
+        "per_position_acceptance": [],
+        "accepted_length_histogram": {},
+        "prefill_s": None,
+        "draft_s": None,
+        "verify_s": None,
+        "overhead_s": None,
+        "total_s": total,
+        "ttft_s": ttft,
+        "tpot_s": (total - ttft) / (n - 1) if n > 1 else 0.0,
+        "tokens_per_s": n / total if total else 0.0,
+        "peak_rss_mb": round(peak_rss_mb(), 1),
     }
     return new, stats
 
@@ -309,8 +373,14 @@ def hf_generate(model: Any, ids: list[int], max_new_tokens: int, temperature: fl
 # -- the store ---------------------------------------------------------------------------------
 def fingerprint(opts: Options, target_source: str, draft_source: str | None, hybrid_drafter: str | None = None) -> str:
     """Settings a stored result depends on besides its cell and prompt."""
-    spec = {"target": target_source, "draft": draft_source,
-            "dtype": opts.dtype, "backend": opts.backend, "max_new_tokens": opts.max_new_tokens, "seed": opts.seed}
+    spec = {
+        "target": target_source,
+        "draft": draft_source,
+        "dtype": opts.dtype,
+        "backend": opts.backend,
+        "max_new_tokens": opts.max_new_tokens,
+        "seed": opts.seed,
+    }
     if hybrid_drafter:
         spec["hybrid_drafter"] = hybrid_drafter
     if any(m.endswith(CONF_SUFFIX) for m in opts.methods):
@@ -394,7 +464,10 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
                 base = base_method(cell.method)
                 conf = cell.method.endswith(CONF_SUFFIX)
                 gens[sig] = SpeculativeGenerator(
-                    target, method=base, k=cell.k if base != "none" else 1, draft=draft,
+                    target,
+                    method=base,
+                    k=cell.k if base != "none" else 1,
+                    draft=draft,
                     tree=cell.method.endswith(TREE_SUFFIX) or None,
                     **({"policy": "confidence", "confidence": opts.confidence} if conf else {}),
                 )
@@ -406,8 +479,14 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         cells.append(cell)
     for s in skipped_cells:
         console.print(f"[yellow]skipping {s['key']}: {s['reason']}[/yellow]")
-    hybrid = next((g.decoder.proposer.drafter.name for (m, _), g in gens.items()
-                   if base_method(m) == "hybrid" and not isinstance(g, Exception)), None)
+    hybrid = next(
+        (
+            g.decoder.proposer.drafter.name
+            for (m, _), g in gens.items()
+            if base_method(m) == "hybrid" and not isinstance(g, Exception)
+        ),
+        None,
+    )
     fp = fingerprint(opts, target.source, draft.source if draft else None, hybrid)
     hf_model = _hf_model(target, opts.dtype) if any(c.method == "hf" for c in cells) else None
 
@@ -416,8 +495,10 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
     kmax = max(k_fixed + ([AUTO_K_MAX] if "auto" in opts.ks else []) + [1])
     budget = int(target.model.max_length) - opts.max_new_tokens - kmax - 2
     if budget < 1:
-        raise ConfigError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt in the "
-                          f"model's {target.model.max_length} positions")
+        raise ConfigError(
+            f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt in the "
+            f"model's {target.model.max_length} positions"
+        )
     prompts: dict[str, dict[str, Any]] = {}
     for item in items:
         ids = plain.encode(item.prompt)
@@ -431,7 +512,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
     done = read_store(store_path, fp)
     todo = []
     for index, item in enumerate(items):
-        rotated = cells[index % len(cells):] + cells[: index % len(cells)]  # no cell always runs first
+        rotated = cells[index % len(cells) :] + cells[: index % len(cells)]  # no cell always runs first
         todo.extend((item, cell) for cell in rotated if record_key(cell, item) not in done)
     resumed = len(items) * len(cells) - len(todo)
     if resumed:
@@ -444,9 +525,10 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
                 hf_generate(hf_model, warm_ids, 4, cell.temperature, 0, target.eos_token_ids)
             else:
                 gens[(cell.method, cell.k)].generate(warm_ids, max_new_tokens=4, temperature=cell.temperature, seed=0)
-    with open(store_path, "a", encoding="utf-8") as store, tqdm(
-        total=len(todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True
-    ) as bar:
+    with (
+        open(store_path, "a", encoding="utf-8") as store,
+        tqdm(total=len(todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar,
+    ):
         for item, cell in todo:
             bar.set_postfix_str(f"{item.group}/{item.id} {cell.label(len(opts.temperatures) > 1)}", refresh=False)
             rec = _run_one(cell, item, prompts[item.id], opts, gens, hf_model, target)
@@ -464,16 +546,32 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         "machine": machine_info(),
         "config": {
             "workload": str(Path(opts.workload).resolve()) if opts.workload else str(default_workload_path()),
-            "target": target.source, "draft": draft.source if draft else None, "dtype": opts.dtype,
-            "backend": getattr(target.model, "backend", opts.backend), "methods": opts.methods, "k": opts.ks,
-            "temperatures": opts.temperatures, "max_new_tokens": opts.max_new_tokens,
-            "prompts_per_category": opts.prompts_per_category, "seed": opts.seed, "hf_generate": opts.hf,
-            "quick": opts.quick, "confidence": opts.confidence, "hybrid_drafter": hybrid, "fingerprint": fp,
+            "target": target.source,
+            "draft": draft.source if draft else None,
+            "dtype": opts.dtype,
+            "backend": getattr(target.model, "backend", opts.backend),
+            "methods": opts.methods,
+            "k": opts.ks,
+            "temperatures": opts.temperatures,
+            "max_new_tokens": opts.max_new_tokens,
+            "prompts_per_category": opts.prompts_per_category,
+            "seed": opts.seed,
+            "hf_generate": opts.hf,
+            "quick": opts.quick,
+            "confidence": opts.confidence,
+            "hybrid_drafter": hybrid,
+            "fingerprint": fp,
         },
         "cost_curve": {"context_tokens": COST_CONTEXT, "forward_s": {str(n): s for n, s in cost_curve.items()}},
         "prompts": [
-            {"id": it.id, "category": it.category, "group": it.group, "line": it.line,
-             "prompt_tokens": prompts[it.id]["tokens"], "truncated": prompts[it.id]["truncated"]}
+            {
+                "id": it.id,
+                "category": it.category,
+                "group": it.group,
+                "line": it.line,
+                "prompt_tokens": prompts[it.id]["tokens"],
+                "truncated": prompts[it.id]["truncated"],
+            }
             for it in items
         ],
         "categories": groups_in_order(items),
@@ -503,12 +601,14 @@ def _hf_model(target: Any, dtype: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(target.source, dtype=DTYPES.get(dtype, torch.float32)).eval()
 
 
-def _run_one(cell: Cell, item: WorkItem, prompt: dict[str, Any], opts: Options, gens: dict, hf_model: Any,
-             target: Any) -> dict[str, Any]:
+def _run_one(
+    cell: Cell, item: WorkItem, prompt: dict[str, Any], opts: Options, gens: dict, hf_model: Any, target: Any
+) -> dict[str, Any]:
     seed = prompt_seed(opts.seed, item)
     if cell.method == "hf":
-        token_ids, stats = hf_generate(hf_model, prompt["ids"], opts.max_new_tokens, cell.temperature, seed,
-                                       target.eos_token_ids)
+        token_ids, stats = hf_generate(
+            hf_model, prompt["ids"], opts.max_new_tokens, cell.temperature, seed, target.eos_token_ids
+        )
         finish = None
     else:
         out = gens[(cell.method, cell.k)].generate(
@@ -516,8 +616,16 @@ def _run_one(cell: Cell, item: WorkItem, prompt: dict[str, Any], opts: Options, 
         )
         token_ids, stats, finish = list(out.token_ids), dict(out.stats), out.finish_reason
     return {
-        **cell.to_dict(), "cell": cell.key, "prompt_id": item.id, "category": item.category, "group": item.group,
-        "prompt_tokens": len(prompt["ids"]), "truncated": prompt["truncated"], "seed": seed,
-        "finish_reason": finish, "token_ids": token_ids, "stats": stats,
+        **cell.to_dict(),
+        "cell": cell.key,
+        "prompt_id": item.id,
+        "category": item.category,
+        "group": item.group,
+        "prompt_tokens": len(prompt["ids"]),
+        "truncated": prompt["truncated"],
+        "seed": seed,
+        "finish_reason": finish,
+        "token_ids": token_ids,
+        "stats": stats,
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -50,17 +50,29 @@ SPEC_METHODS = tuple(m for m in METHODS if m not in ("auto", "none", "xtok"))  #
 ARM_KINDS = ("auto", "table")
 DEFAULT_K_TABLE = "2:4,8:2,0"  # k 4 for batch <= 2, 2 for batch <= 8, 0 above
 WARM_TEXT = "Hello! Please write one short sentence about the weather today."
-QUICK = {"concurrency": "1,4", "requests": 4, "max_new_tokens": 32, "methods": "none,ngram,auto", "temperatures": "0",
-         "threads": 1}
-DEFAULTS = {"concurrency": "1,2,4,8,16,32", "requests": None, "max_new_tokens": 64,
-            "methods": "none,ngram,suffix,best,best-k2,auto,table", "temperatures": "0,0.7", "threads": None}
+QUICK = {
+    "concurrency": "1,4",
+    "requests": 4,
+    "max_new_tokens": 32,
+    "methods": "none,ngram,auto",
+    "temperatures": "0",
+    "threads": 1,
+}
+DEFAULTS = {
+    "concurrency": "1,2,4,8,16,32",
+    "requests": None,
+    "max_new_tokens": 64,
+    "methods": "none,ngram,suffix,best,best-k2,auto,table",
+    "temperatures": "0,0.7",
+    "threads": None,
+}
 MIN_REQUESTS = 8  # per cell, unless --requests says otherwise
 POISSON_REQUESTS = 16  # per Poisson cell by default
 
 
 METHODS_HELP = f"""methods (--methods, comma list):
   none            plain decoding (always measured: every ratio is against it)
-  METHOD[-kN]     {', '.join(SPEC_METHODS)} at fixed --k (or N)
+  METHOD[-kN]     {", ".join(SPEC_METHODS)} at fixed --k (or N)
   best[-kN]       the best shipped method with the settings its card was measured with (or fixed N)
   auto[-METHOD]   the best method (or METHOD) with policy auto: k in 0..--k-max planned by the engine per batch
   table[-METHOD]  the best method (or METHOD) with k by batch size from --k-table
@@ -75,29 +87,44 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="specdecode bench-serve",
-                description="Serving benchmark of the batched engine: load points x methods x temperatures.",
-                epilog=METHODS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(
+        prog="specdecode bench-serve",
+        description="Serving benchmark of the batched engine: load points x methods x temperatures.",
+        epilog=METHODS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", default="bench-out/serve", help="output folder (default bench-out/serve)")
-    p.add_argument("--quick", action="store_true",
-                   help="concurrency 1,4; 4 requests; 32 tokens; none,ngram,auto; T=0; 1 thread")
+    p.add_argument(
+        "--quick", action="store_true", help="concurrency 1,4; 4 requests; 32 tokens; none,ngram,auto; T=0; 1 thread"
+    )
     p.add_argument("--workload", default=None, help=f"JSONL file (default: {default_workload_path()})")
     p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2-135M)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", default=None, help="torch CPU threads (default: free cores; 1 with --quick)")
-    p.add_argument("--concurrency", default=None,
-                   help=f"closed-loop levels, comma list (default {DEFAULTS['concurrency']}; none with only --arrival-rate)")
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        help=f"closed-loop levels, comma list (default {DEFAULTS['concurrency']}; none with only --arrival-rate)",
+    )
     p.add_argument("--arrival-rate", default=None, help="Poisson mode: requests/s, comma list")
-    p.add_argument("--requests", default=None,
-                   help=f"requests per cell (default max({MIN_REQUESTS}, 2 x concurrency); {POISSON_REQUESTS} per Poisson cell)")
+    p.add_argument(
+        "--requests",
+        default=None,
+        help=f"requests per cell (default max({MIN_REQUESTS}, 2 x concurrency); {POISSON_REQUESTS} per Poisson cell)",
+    )
     p.add_argument("--max-new-tokens", default=None, help=f"default {DEFAULTS['max_new_tokens']}")
-    p.add_argument("--max-prompt-tokens", default=None, help="left-truncate prompts to this (default: what the model fits)")
+    p.add_argument(
+        "--max-prompt-tokens", default=None, help="left-truncate prompts to this (default: what the model fits)"
+    )
     p.add_argument("--methods", default=None, help=f"comma list (default {DEFAULTS['methods']}); see below")
     p.add_argument("--k", default="4", help="fixed k of named methods (default 4)")
     p.add_argument("--k-max", default="8", help="k_max of the auto policy (default 8)")
-    p.add_argument("--k-table", default=DEFAULT_K_TABLE,
-                   help=f"table policy: B:K pairs (k K for batch <= B), then k above the last B (default {DEFAULT_K_TABLE})")
+    p.add_argument(
+        "--k-table",
+        default=DEFAULT_K_TABLE,
+        help=f"table policy: B:K pairs (k K for batch <= B), then k above the last B (default {DEFAULT_K_TABLE})",
+    )
     p.add_argument("--temperatures", default=None, help=f"comma list; 0 = greedy (default {DEFAULTS['temperatures']})")
     p.add_argument("--max-batch", default=None, help="engine max batch (default max(32, top concurrency))")
     p.add_argument("--seed", default="0", help="prompt sample, arrivals and sampling seed (default 0)")
@@ -198,7 +225,7 @@ def parse_arm(name: str) -> ArmSpec:
         return ArmSpec(name, "none", "fixed")
     for kind in ARM_KINDS:
         if name == kind or name.startswith(kind + "-"):
-            base = name[len(kind) + 1:] or "best"
+            base = name[len(kind) + 1 :] or "best"
             if base not in SPEC_METHODS and base != "best":
                 raise ConfigError(f"--methods: {name!r}: {kind} runs over a speculative method or best, not {base!r}")
             return ArmSpec(name, base, kind)
@@ -253,16 +280,29 @@ def parse_options(argv: list[str]) -> Options:
     threads = args.threads if args.threads is not None else preset["threads"]
     max_prompt = args.max_prompt_tokens
     return Options(
-        out=Path(args.out), quick=args.quick, workload=args.workload, target=args.target, dtype=args.dtype,
-        backend=args.backend, threads=None if threads is None else _int(threads, "--threads"), points=points,
+        out=Path(args.out),
+        quick=args.quick,
+        workload=args.workload,
+        target=args.target,
+        dtype=args.dtype,
+        backend=args.backend,
+        threads=None if threads is None else _int(threads, "--threads"),
+        points=points,
         requests=None if requests is None else _int(requests, "--requests"),
-        max_new_tokens=_int(args.max_new_tokens if args.max_new_tokens is not None else preset["max_new_tokens"],
-                            "--max-new-tokens"),
+        max_new_tokens=_int(
+            args.max_new_tokens if args.max_new_tokens is not None else preset["max_new_tokens"], "--max-new-tokens"
+        ),
         max_prompt_tokens=None if max_prompt is None else _int(max_prompt, "--max-prompt-tokens"),
-        arms=list(seen.values()), k=_int(args.k, "--k"), k_max=_int(args.k_max, "--k-max"),
+        arms=list(seen.values()),
+        k=_int(args.k, "--k"),
+        k_max=_int(args.k_max, "--k-max"),
         k_table=parse_k_table(args.k_table),
-        temperatures=list(dict.fromkeys(_float(t, "--temperatures", positive=False)
-                                        for t in _split(args.temperatures or preset["temperatures"], "--temperatures"))),
+        temperatures=list(
+            dict.fromkeys(
+                _float(t, "--temperatures", positive=False)
+                for t in _split(args.temperatures or preset["temperatures"], "--temperatures")
+            )
+        ),
         max_batch=_int(args.max_batch, "--max-batch") if args.max_batch is not None else top,
         seed=_int(args.seed, "--seed", low=0),
     )
@@ -347,13 +387,27 @@ class Arm:
 
     def _extras(self) -> str:
         opts = self.options
-        return "".join([f", confidence {opts['confidence_threshold']:g}" if "confidence_threshold" in opts else "",
-                        f", drafter {opts['drafter']}" if "drafter" in opts else "", ", tree" if self.tree else ""])
+        return "".join(
+            [
+                f", confidence {opts['confidence_threshold']:g}" if "confidence_threshold" in opts else "",
+                f", drafter {opts['drafter']}" if "drafter" in opts else "",
+                ", tree" if self.tree else "",
+            ]
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "label": self.label, "method": self.method, "kind": self.kind, "policy": self.policy,
-                "k": self.k, "options": dict(self.options), "fixed_k": self.fixed_k, "from_best": self.from_best,
-                "k_table": None if self.table is None else BatchTableK(*self.table).describe()}
+        return {
+            "name": self.name,
+            "label": self.label,
+            "method": self.method,
+            "kind": self.kind,
+            "policy": self.policy,
+            "k": self.k,
+            "options": dict(self.options),
+            "fixed_k": self.fixed_k,
+            "from_best": self.from_best,
+            "k_table": None if self.table is None else BatchTableK(*self.table).describe(),
+        }
 
     def speculation(self, target: Any) -> Any:
         """A fresh proposer prototype and policy for one cell (a proposer's corpus never leaks across cells)."""
@@ -393,8 +447,17 @@ def resolve_arm(spec: ArmSpec, target: Any, opts: Options) -> Arm:
     if spec.kind == "auto":
         return Arm(spec.name, method, "auto", "auto", opts.k_max, options, tree=tree, from_best=from_best)
     if spec.kind == "table":
-        return Arm(spec.name, method, "table", "table", max([k for _, k in opts.k_table[0]] + [opts.k_table[1]]),
-                   options, table=opts.k_table, tree=tree, from_best=from_best)
+        return Arm(
+            spec.name,
+            method,
+            "table",
+            "table",
+            max([k for _, k in opts.k_table[0]] + [opts.k_table[1]]),
+            options,
+            table=opts.k_table,
+            tree=tree,
+            from_best=from_best,
+        )
     if spec.k is not None:
         k, policy = spec.k, "confidence" if "confidence_threshold" in options else "fixed"
     elif from_best:
@@ -465,13 +528,29 @@ class Trace:
     def to_dict(self, t0: float) -> dict[str, Any]:
         s = self.stats or {}
         return {
-            "index": self.index, "prompt_tokens": self.prompt_tokens, "new_tokens": self.tokens,
-            "arrival_s": round(self.arrival - t0, 6), "submitted_s": round(self.submitted - t0, 6),
+            "index": self.index,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.tokens,
+            "arrival_s": round(self.arrival - t0, 6),
+            "submitted_s": round(self.submitted - t0, 6),
             "finished_s": None if self.finished is None else round(self.finished - t0, 6),
-            "ttft_s": self.ttft, "tpot_s": self.tpot, "e2e_s": self.e2e, "chunks": len(self.chunks),
+            "ttft_s": self.ttft,
+            "tpot_s": self.tpot,
+            "e2e_s": self.e2e,
+            "chunks": len(self.chunks),
             "finish_reason": self.finish_reason,
-            **{k: s.get(k) for k in ("acceptance_rate", "mean_accepted_length", "target_calls", "drafted_tokens",
-                                     "accepted_tokens", "queue_s", "k_history")},
+            **{
+                k: s.get(k)
+                for k in (
+                    "acceptance_rate",
+                    "mean_accepted_length",
+                    "target_calls",
+                    "drafted_tokens",
+                    "accepted_tokens",
+                    "queue_s",
+                    "k_history",
+                )
+            },
         }
 
 
@@ -596,8 +675,12 @@ class EngineTarget:
         from specdecode.engine import EngineConfig, GenerationConfig
 
         loaded = self.loaded
-        self.engine = _engine_class()(loaded.model, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer,
-                                      config=EngineConfig(max_batch=self.max_batch))
+        self.engine = _engine_class()(
+            loaded.model,
+            eos_token_ids=loaded.eos_token_ids,
+            tokenizer=loaded.tokenizer,
+            config=EngineConfig(max_batch=self.max_batch),
+        )
         self.spec = arm.speculation(loaded)
         self.sampling = SamplingConfig(temperature=temperature)
         self.by_id: dict[int, int] = {}
@@ -626,8 +709,15 @@ class EngineTarget:
             events, r.events = r.events, []
             tokens = sum(len(e.token_ids) for e in events)
             done = r.result is not None
-            out.append(Progress(self.by_id[r.id], tokens, done, dict(r.result.stats) if done else None,
-                                r.result.finish_reason if done else None))
+            out.append(
+                Progress(
+                    self.by_id[r.id],
+                    tokens,
+                    done,
+                    dict(r.result.stats) if done else None,
+                    r.result.finish_reason if done else None,
+                )
+            )
         return out
 
     def end_cell(self) -> dict[str, Any]:
@@ -652,8 +742,9 @@ class EngineTarget:
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text``, with the chat template when the tokenizer has one."""
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)
+        out = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
         return list(out["input_ids"])
     return list(tokenizer.encode(text))
 
@@ -729,24 +820,40 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         if opts.max_prompt_tokens is not None:
             limit = min(limit, opts.max_prompt_tokens)
         if limit < 2:
-            raise ConfigError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt in the model's "
-                              f"{target.model.max_length} positions")
+            raise ConfigError(
+                f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt in the model's "
+                f"{target.model.max_length} positions"
+            )
         n_max = max(opts.requests_for(p) for p in opts.points)
         sample = sample_items(items, n_max, opts.seed)
         prompts = []
         for i, item in enumerate(sample):
             ids = encode_prompt(target.tokenizer, item.prompt)
-            prompts.append({"index": i, "id": item.id, "group": item.group, "tokens": len(ids),
-                            "truncated": len(ids) > limit, "ids": ids[-limit:]})
-        requests = [LoadRequest(i, p["ids"], opts.max_new_tokens, request_seed(opts.seed, i)) for i, p in enumerate(prompts)]
+            prompts.append(
+                {
+                    "index": i,
+                    "id": item.id,
+                    "group": item.group,
+                    "tokens": len(ids),
+                    "truncated": len(ids) > limit,
+                    "ids": ids[-limit:],
+                }
+            )
+        requests = [
+            LoadRequest(i, p["ids"], opts.max_new_tokens, request_seed(opts.seed, i)) for i, p in enumerate(prompts)
+        ]
         engine_target = build_target(opts, target)
         plan = [(t, point) for t in opts.temperatures for point in opts.points]
-        console.print(f"bench-serve: {len(arms)} methods x {len(opts.points)} load points x {len(opts.temperatures)} "
-                      f"temperatures, up to {n_max} requests x {opts.max_new_tokens} tokens per cell -> {opts.out}")
+        console.print(
+            f"bench-serve: {len(arms)} methods x {len(opts.points)} load points x {len(opts.temperatures)} "
+            f"temperatures, up to {n_max} requests x {opts.max_new_tokens} tokens per cell -> {opts.out}"
+        )
         cells = []
-        with tqdm(total=len(plan) * len(arms), desc="bench-serve", unit="cell", file=sys.stderr, dynamic_ncols=True) as bar:
+        with tqdm(
+            total=len(plan) * len(arms), desc="bench-serve", unit="cell", file=sys.stderr, dynamic_ncols=True
+        ) as bar:
             for j, (temp, point) in enumerate(plan):
-                rotated = arms[j % len(arms):] + arms[: j % len(arms)]  # no method always runs first
+                rotated = arms[j % len(arms) :] + arms[: j % len(arms)]  # no method always runs first
                 n = opts.requests_for(point)
                 for arm in rotated:
                     bar.set_postfix_str(f"{arm.name} {point.label} T={temp:g}", refresh=False)
@@ -761,19 +868,30 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "host": host,
             "config": {
                 "workload": str(Path(opts.workload).resolve()) if opts.workload else str(default_workload_path()),
-                "target": target.source, "dtype": opts.dtype, "backend": getattr(target.model, "backend", opts.backend),
-                "load_points": [p.to_dict() for p in opts.points], "temperatures": opts.temperatures,
-                "requests": {p.label: opts.requests_for(p) for p in opts.points}, "max_new_tokens": opts.max_new_tokens,
-                "max_prompt_tokens": limit, "k": opts.k, "k_max": opts.k_max,
-                "k_table": BatchTableK(*opts.k_table).describe(), "max_batch": opts.max_batch, "seed": opts.seed,
-                "quick": opts.quick, "torch_threads": torch.get_num_threads(),
+                "target": target.source,
+                "dtype": opts.dtype,
+                "backend": getattr(target.model, "backend", opts.backend),
+                "load_points": [p.to_dict() for p in opts.points],
+                "temperatures": opts.temperatures,
+                "requests": {p.label: opts.requests_for(p) for p in opts.points},
+                "max_new_tokens": opts.max_new_tokens,
+                "max_prompt_tokens": limit,
+                "k": opts.k,
+                "k_max": opts.k_max,
+                "k_table": BatchTableK(*opts.k_table).describe(),
+                "max_batch": opts.max_batch,
+                "seed": opts.seed,
+                "quick": opts.quick,
+                "torch_threads": torch.get_num_threads(),
             },
             "arms": [a.to_dict() for a in arms],
             "skipped": skipped,
             "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts],
             "cells": cells,
         }
-        results["host"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+        results["host"]["load_average_end"] = (
+            [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+        )
         serve_report.finish(results)
         results["elapsed_s"] = round(time.perf_counter() - started, 2)
         opts.out.mkdir(parents=True, exist_ok=True)
@@ -791,8 +909,9 @@ def build_target(opts: Options, loaded: Any) -> ServeTarget:
     return EngineTarget(loaded, opts.max_batch)
 
 
-def run_cell(target: ServeTarget, arm: Arm, temperature: float, point: LoadPoint, requests: list[LoadRequest],
-             opts: Options) -> dict[str, Any]:
+def run_cell(
+    target: ServeTarget, arm: Arm, temperature: float, point: LoadPoint, requests: list[LoadRequest], opts: Options
+) -> dict[str, Any]:
     """One cell: warm the target, drive the load, and summarise what every request saw."""
     from specdecode.bench.serve_report import cell_metrics
 

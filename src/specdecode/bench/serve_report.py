@@ -28,7 +28,7 @@ AUTO = "auto"  # the arm the targets are about: batch-planned k over the best me
 TARGETS = {
     "auto_tpot_c1_le_0.7x_plain": "at concurrency 1, auto's TPOT (p50) <= 0.7x plain's",
     "auto_tok_s_ge_0.97x_best_of_plain_and_fixed_k": "at every concurrency, auto's output tok/s >= 0.97x the better "
-                                                     "of plain and the best fixed-k cell of the same method",
+    "of plain and the best fixed-k cell of the same method",
     "auto_ge_plain_at_c_ge_16": "at concurrency >= 16, auto's output tok/s >= plain's",
 }
 
@@ -75,12 +75,24 @@ def cell_metrics(arm: Arm, temperature: float, point: LoadPoint, run: LoadRun, i
     speculative = arm.method != "none"
     return {
         "key": f"{arm.name}|{point.label}|T={temperature:g}",
-        "arm": arm.name, "label": arm.label, "method": arm.method, "kind": arm.kind, "policy": arm.policy,
-        "fixed_k": arm.fixed_k, "k": arm.k, "temperature": temperature,
-        "load": point.to_dict(), "mode": point.mode, "concurrency": point.concurrency,
+        "arm": arm.name,
+        "label": arm.label,
+        "method": arm.method,
+        "kind": arm.kind,
+        "policy": arm.policy,
+        "fixed_k": arm.fixed_k,
+        "k": arm.k,
+        "temperature": temperature,
+        "load": point.to_dict(),
+        "mode": point.mode,
+        "concurrency": point.concurrency,
         "rate": point.value if point.mode == "poisson" else None,
-        "requests": len(traces), "completed": completed, "new_tokens": tokens, "duration_s": duration,
-        "req_per_s": _div(completed, duration), "output_tok_s": _div(tokens, duration),
+        "requests": len(traces),
+        "completed": completed,
+        "new_tokens": tokens,
+        "duration_s": duration,
+        "req_per_s": _div(completed, duration),
+        "output_tok_s": _div(tokens, duration),
         "ttft_ms": distribution([t.ttft for t in traces if t.ttft is not None]),
         "tpot_ms": distribution([t.tpot for t in traces if t.tpot is not None]),
         "itl_ms": distribution([g for t in traces for g in t.itl]),
@@ -88,19 +100,31 @@ def cell_metrics(arm: Arm, temperature: float, point: LoadPoint, run: LoadRun, i
         "queue_ms_mean": _div(sum(float(s.get("queue_s") or 0.0) for s in stats) * 1e3, len(stats)),
         "acceptance_rate": _div(accepted, drafted) if speculative else None,
         "mean_accepted_length": (_div(committed, calls) if speculative else 1.0),
-        "drafted_tokens": drafted, "accepted_tokens": accepted, "target_calls": calls,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "target_calls": calls,
         "mean_k": (sum(history) / len(history) if history else 0.0) if speculative else None,
         "engine": info,
-        "in_flight": {"max": max(run.in_flight, default=0),
-                      "mean": sum(run.in_flight) / len(run.in_flight) if run.in_flight else 0.0},
+        "in_flight": {
+            "max": max(run.in_flight, default=0),
+            "mean": sum(run.in_flight) / len(run.in_flight) if run.in_flight else 0.0,
+        },
         "request_records": [t.to_dict(run.t0) for t in traces],
     }
 
 
 # -- across cells -------------------------------------------------------------------------------
 def _plain(cells: list[dict[str, Any]], cell: dict[str, Any]) -> dict[str, Any] | None:
-    return next((c for c in cells if c["method"] == "none" and c["load"]["label"] == cell["load"]["label"]
-                 and c["temperature"] == cell["temperature"]), None)
+    return next(
+        (
+            c
+            for c in cells
+            if c["method"] == "none"
+            and c["load"]["label"] == cell["load"]["label"]
+            and c["temperature"] == cell["temperature"]
+        ),
+        None,
+    )
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -137,25 +161,51 @@ def evaluate_targets(cells: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if c == 1 and auto["tpot_ms"]["p50"] is not None and plain["tpot_ms"]["p50"]:
             ratio = auto["tpot_ms"]["p50"] / plain["tpot_ms"]["p50"]
             checks["auto_tpot_c1_le_0.7x_plain"].append(
-                {**where, "auto_tpot_ms": auto["tpot_ms"]["p50"], "plain_tpot_ms": plain["tpot_ms"]["p50"],
-                 "ratio": ratio, "met": ratio <= 0.7})
-        fixed = [x for x in closed if x["fixed_k"] and x["method"] == auto["method"] and x["concurrency"] == c
-                 and x["temperature"] == temp and x["output_tok_s"] is not None]
+                {
+                    **where,
+                    "auto_tpot_ms": auto["tpot_ms"]["p50"],
+                    "plain_tpot_ms": plain["tpot_ms"]["p50"],
+                    "ratio": ratio,
+                    "met": ratio <= 0.7,
+                }
+            )
+        fixed = [
+            x
+            for x in closed
+            if x["fixed_k"]
+            and x["method"] == auto["method"]
+            and x["concurrency"] == c
+            and x["temperature"] == temp
+            and x["output_tok_s"] is not None
+        ]
         best_fixed = max(fixed, key=lambda x: x["output_tok_s"], default=None)
         rival = plain if best_fixed is None or best_fixed["output_tok_s"] <= plain["output_tok_s"] else best_fixed
         checks["auto_tok_s_ge_0.97x_best_of_plain_and_fixed_k"].append(
-            {**where, "auto_tok_s": auto["output_tok_s"], "plain_tok_s": plain["output_tok_s"],
-             "best_fixed": None if best_fixed is None else best_fixed["arm"],
-             "best_fixed_tok_s": None if best_fixed is None else best_fixed["output_tok_s"],
-             "rival": rival["arm"], "ratio": _ratio(auto["output_tok_s"], rival["output_tok_s"]),
-             "met": auto["output_tok_s"] >= 0.97 * rival["output_tok_s"]})
+            {
+                **where,
+                "auto_tok_s": auto["output_tok_s"],
+                "plain_tok_s": plain["output_tok_s"],
+                "best_fixed": None if best_fixed is None else best_fixed["arm"],
+                "best_fixed_tok_s": None if best_fixed is None else best_fixed["output_tok_s"],
+                "rival": rival["arm"],
+                "ratio": _ratio(auto["output_tok_s"], rival["output_tok_s"]),
+                "met": auto["output_tok_s"] >= 0.97 * rival["output_tok_s"],
+            }
+        )
         if c >= 16:
             checks["auto_ge_plain_at_c_ge_16"].append(
-                {**where, "auto_tok_s": auto["output_tok_s"], "plain_tok_s": plain["output_tok_s"],
-                 "ratio": _ratio(auto["output_tok_s"], plain["output_tok_s"]),
-                 "met": auto["output_tok_s"] >= plain["output_tok_s"]})
-    return {name: {"target": TARGETS[name], "met": all(x["met"] for x in found) if found else None, "checks": found}
-            for name, found in checks.items()}
+                {
+                    **where,
+                    "auto_tok_s": auto["output_tok_s"],
+                    "plain_tok_s": plain["output_tok_s"],
+                    "ratio": _ratio(auto["output_tok_s"], plain["output_tok_s"]),
+                    "met": auto["output_tok_s"] >= plain["output_tok_s"],
+                }
+            )
+    return {
+        name: {"target": TARGETS[name], "met": all(x["met"] for x in found) if found else None, "checks": found}
+        for name, found in checks.items()
+    }
 
 
 def merged_k_by_batch(cells: list[dict[str, Any]]) -> dict[str, float]:
@@ -210,18 +260,40 @@ def _k_by_batch(cell: dict[str, Any], top: int = 4) -> str:
     return " ".join(f"{b}:{k[b]:.1f}" for b in busiest) + (" …" if len(k) > top else "")
 
 
-HEADER = ["load", "method", "req/s", "tok/s", "tok/s vs plain", "TTFT ms p50/90/99", "TPOT ms p50/90/99",
-          "ITL ms p50/90/99", "TPOT vs plain", "accept", "MAL", "mean k", "k by batch (busiest)", "peak MB"]
+HEADER = [
+    "load",
+    "method",
+    "req/s",
+    "tok/s",
+    "tok/s vs plain",
+    "TTFT ms p50/90/99",
+    "TPOT ms p50/90/99",
+    "ITL ms p50/90/99",
+    "TPOT vs plain",
+    "accept",
+    "MAL",
+    "mean k",
+    "k by batch (busiest)",
+    "peak MB",
+]
 
 
 def row_cells(c: dict[str, Any]) -> list[str]:
     r = c.get("vs_plain") or {}
     return [
-        c["load"]["label"], c["arm"], _f(c["req_per_s"], 2), _f(c["output_tok_s"], 1),
+        c["load"]["label"],
+        c["arm"],
+        _f(c["req_per_s"], 2),
+        _f(c["output_tok_s"], 1),
         _f(r.get("output_tok_s"), 2, "x") if c["method"] != "none" else "1.00x",
-        _ms(c["ttft_ms"]), _ms(c["tpot_ms"]), _ms(c["itl_ms"]),
+        _ms(c["ttft_ms"]),
+        _ms(c["tpot_ms"]),
+        _ms(c["itl_ms"]),
         _f(r.get("tpot_p50"), 2, "x") if c["method"] != "none" else "1.00x",
-        _pct(c["acceptance_rate"]), _f(c["mean_accepted_length"], 2), _f(c["mean_k"], 1), _k_by_batch(c),
+        _pct(c["acceptance_rate"]),
+        _f(c["mean_accepted_length"], 2),
+        _f(c["mean_k"], 1),
+        _k_by_batch(c),
         _f(c.get("peak_rss_mb"), 0),
     ]
 
@@ -229,8 +301,14 @@ def row_cells(c: dict[str, Any]) -> list[str]:
 def _sorted_cells(results: dict[str, Any], temp: float) -> list[dict[str, Any]]:
     order = {a["name"]: i for i, a in enumerate(results["arms"])}
     cells = [c for c in results["cells"] if c["temperature"] == temp]
-    return sorted(cells, key=lambda c: (c["mode"] != "closed", c["load"].get("concurrency") or c["load"].get("rate"),
-                                        order.get(c["arm"], 99)))
+    return sorted(
+        cells,
+        key=lambda c: (
+            c["mode"] != "closed",
+            c["load"].get("concurrency") or c["load"].get("rate"),
+            order.get(c["arm"], 99),
+        ),
+    )
 
 
 def _verdict(met: bool | None) -> str:
@@ -241,58 +319,81 @@ def _target_lines(results: dict[str, Any]) -> list[list[str]]:
     rows = []
     for t in results["targets"].values():
         detail = "; ".join(
-            f"c={x['concurrency']} T={x['temperature']:g}: {x['ratio']:.2f}x" + (f" vs {x['rival']}" if "rival" in x else "")
-            for x in t["checks"] if x.get("ratio") is not None)
+            f"c={x['concurrency']} T={x['temperature']:g}: {x['ratio']:.2f}x"
+            + (f" vs {x['rival']}" if "rival" in x else "")
+            for x in t["checks"]
+            if x.get("ratio") is not None
+        )
         rows.append([t["target"], _verdict(t["met"]), detail or "—"])
     return rows
 
 
 def _host_line(results: dict[str, Any]) -> str:
     h = results["host"]
-    return (f"{h.get('cpu')} · {h.get('cores')} cores ({h.get('cores_available')} available) · torch {h.get('torch')} with "
-            f"{results['config']['torch_threads']} threads · load average {h.get('load_average')} at start, "
-            f"{h.get('load_average_end')} at end · Python {h.get('python')} · commit {h.get('git_commit')}")
+    return (
+        f"{h.get('cpu')} · {h.get('cores')} cores ({h.get('cores_available')} available) · torch {h.get('torch')} with "
+        f"{results['config']['torch_threads']} threads · load average {h.get('load_average')} at start, "
+        f"{h.get('load_average_end')} at end · Python {h.get('python')} · commit {h.get('git_commit')}"
+    )
 
 
 def _config_line(results: dict[str, Any]) -> str:
     cfg = results["config"]
-    return (f"target {cfg['target']} ({cfg['backend']}, {cfg['dtype']}) · workload {cfg['workload']} · "
-            f"load {', '.join(p['label'] for p in cfg['load_points'])} · requests per cell "
-            f"{', '.join(f'{k}: {v}' for k, v in cfg['requests'].items())} · {cfg['max_new_tokens']} new tokens · "
-            f"prompts up to {cfg['max_prompt_tokens']} tokens · temperatures "
-            f"{', '.join(f'{t:g}' for t in cfg['temperatures'])} · max batch {cfg['max_batch']} · seed {cfg['seed']}")
+    return (
+        f"target {cfg['target']} ({cfg['backend']}, {cfg['dtype']}) · workload {cfg['workload']} · "
+        f"load {', '.join(p['label'] for p in cfg['load_points'])} · requests per cell "
+        f"{', '.join(f'{k}: {v}' for k, v in cfg['requests'].items())} · {cfg['max_new_tokens']} new tokens · "
+        f"prompts up to {cfg['max_prompt_tokens']} tokens · temperatures "
+        f"{', '.join(f'{t:g}' for t in cfg['temperatures'])} · max batch {cfg['max_batch']} · seed {cfg['seed']}"
+    )
 
 
-NOTES = ("Closed loop c=N: N requests in flight, each replaced as soon as it finishes. Poisson: requests arrive at "
-         "seeded exponential gaps; idle gaps are skipped, latencies count from the scheduled arrival. Throughput "
-         "is over the cell's wall time (first submission to last finish). TTFT: arrival to the first token's event; "
-         "TPOT: per request, (last event - first event) / (tokens - 1); ITL: gaps between a request's consecutive "
-         "events, timed with time.perf_counter() as each step's events arrive (a speculative event carries several "
-         "tokens). Ratios are against plain decoding at the same load point and temperature in the same run. "
-         "k by batch: mean drafts per decoding request by how many requests decoded in the step "
-         "(Engine.k_by_batch_size()). Peak MB: the process's peak RSS so far.")
+NOTES = (
+    "Closed loop c=N: N requests in flight, each replaced as soon as it finishes. Poisson: requests arrive at "
+    "seeded exponential gaps; idle gaps are skipped, latencies count from the scheduled arrival. Throughput "
+    "is over the cell's wall time (first submission to last finish). TTFT: arrival to the first token's event; "
+    "TPOT: per request, (last event - first event) / (tokens - 1); ITL: gaps between a request's consecutive "
+    "events, timed with time.perf_counter() as each step's events arrive (a speculative event carries several "
+    "tokens). Ratios are against plain decoding at the same load point and temperature in the same run. "
+    "k by batch: mean drafts per decoding request by how many requests decoded in the step "
+    "(Engine.k_by_batch_size()). Peak MB: the process's peak RSS so far."
+)
 
 
 def summary_markdown(results: dict[str, Any]) -> str:
-    parts = ["# specdecode bench-serve", "",
-             f"- command: `{' '.join(results['command'])}`",
-             f"- created: {results['created']}; elapsed {results.get('elapsed_s')} s",
-             f"- host: {_host_line(results)}",
-             f"- config: {_config_line(results)}", "",
-             "## Methods", "",
-             _md_table(["name", "what runs"], [[a["name"], a["label"]] for a in results["arms"]]), ""]
+    parts = [
+        "# specdecode bench-serve",
+        "",
+        f"- command: `{' '.join(results['command'])}`",
+        f"- created: {results['created']}; elapsed {results.get('elapsed_s')} s",
+        f"- host: {_host_line(results)}",
+        f"- config: {_config_line(results)}",
+        "",
+        "## Methods",
+        "",
+        _md_table(["name", "what runs"], [[a["name"], a["label"]] for a in results["arms"]]),
+        "",
+    ]
     if results["skipped"]:
         parts += [f"- skipped `{s['name']}`: {s['reason']}" for s in results["skipped"]] + [""]
     parts += ["## Targets", "", _md_table(["target", "verdict", "measured"], _target_lines(results)), "", NOTES]
     for temp in results["config"]["temperatures"]:
-        parts += ["", f"## Temperature {temp:g}", "",
-                  _md_table(HEADER, [row_cells(c) for c in _sorted_cells(results, temp)])]
+        parts += [
+            "",
+            f"## Temperature {temp:g}",
+            "",
+            _md_table(HEADER, [row_cells(c) for c in _sorted_cells(results, temp)]),
+        ]
     parts += ["", "## k chosen by batch size (all load points)", ""]
     kb = results["k_by_batch_size"]
     sizes = sorted({int(b) for v in kb.values() for b in v})
     if sizes:
-        parts.append(_md_table(["method"] + [str(b) for b in sizes],
-                               [[name] + [_f(v.get(str(b)), 2) for b in sizes] for name, v in kb.items()]))
+        parts.append(
+            _md_table(
+                ["method"] + [str(b) for b in sizes],
+                [[name] + [_f(v.get(str(b)), 2) for b in sizes] for name, v in kb.items()],
+            )
+        )
     else:
         parts.append("(no speculative cells)")
     return "\n".join(parts) + "\n"
@@ -325,12 +426,24 @@ def make_plots(results: dict[str, Any]) -> dict[str, bytes]:
         fig, axes = plt.subplots(1, len(temps), figsize=(6.0 * len(temps) + 2.0, 4.2), squeeze=False)
         for ax, temp in zip(axes[0], temps):
             for i, arm in enumerate(arms):
-                pts = sorted(((c["load"].get("concurrency") or c["load"].get("rate"), metric(c)) for c in chosen
-                              if c["arm"] == arm["name"] and c["temperature"] == temp), key=lambda p: p[0])
+                pts = sorted(
+                    (
+                        (c["load"].get("concurrency") or c["load"].get("rate"), metric(c))
+                        for c in chosen
+                        if c["arm"] == arm["name"] and c["temperature"] == temp
+                    ),
+                    key=lambda p: p[0],
+                )
                 pts = [(x, y) for x, y in pts if y is not None]
                 if pts:
-                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=colors[i % len(colors)],
-                            linestyle="--" if arm["method"] == "none" else "-", label=arm["name"])
+                    ax.plot(
+                        [x for x, _ in pts],
+                        [y for _, y in pts],
+                        marker="o",
+                        color=colors[i % len(colors)],
+                        linestyle="--" if arm["method"] == "none" else "-",
+                        label=arm["name"],
+                    )
             if logx:
                 ax.set_xscale("log", base=2)
                 xs = sorted({c["concurrency"] for c in chosen})
@@ -357,7 +470,9 @@ def make_plots(results: dict[str, Any]) -> dict[str, bytes]:
             if arm["method"] == "none" or not k:
                 continue
             xs = sorted(int(b) for b in k)
-            ax.plot(xs, [k[str(b)] for b in xs], marker="o", markersize=3, color=colors[i % len(colors)], label=arm["name"])
+            ax.plot(
+                xs, [k[str(b)] for b in xs], marker="o", markersize=3, color=colors[i % len(colors)], label=arm["name"]
+            )
             drawn = True
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("batch size (requests decoding in the step)")
@@ -377,21 +492,36 @@ def report_html(results: dict[str, Any], pngs: dict[str, bytes]) -> str:
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
-        "<title>specdecode bench-serve report</title>", f"<style>{CSS}</style></head><body>",
+        "<title>specdecode bench-serve report</title>",
+        f"<style>{CSS}</style></head><body>",
         "<h1>specdecode bench-serve report</h1>",
-        (f"<p class='meta'>{esc(results['created'])} · <code>{esc(' '.join(results['command']))}</code> · "
-         f"elapsed {results.get('elapsed_s')} s</p>"),
+        (
+            f"<p class='meta'>{esc(results['created'])} · <code>{esc(' '.join(results['command']))}</code> · "
+            f"elapsed {results.get('elapsed_s')} s</p>"
+        ),
         f"<p class='meta'>{esc(_host_line(results))}<br>{esc(_config_line(results))}</p>",
-        "<h2>Methods</h2>", _html_table(["name", "what runs"], [[a["name"], a["label"]] for a in results["arms"]]),
+        "<h2>Methods</h2>",
+        _html_table(["name", "what runs"], [[a["name"], a["label"]] for a in results["arms"]]),
     ]
     if results["skipped"]:
-        parts.append("<ul>" + "".join(f"<li>skipped <code>{esc(s['name'])}</code>: {esc(s['reason'])}</li>"
-                                      for s in results["skipped"]) + "</ul>")
-    parts += ["<h2>Targets</h2>", _html_table(["target", "verdict", "measured"], _target_lines(results)),
-              f"<p>{esc(NOTES)}</p>", "<div class='plots'>"]
-    titles = {"tok_s_vs_concurrency": "Output tok/s vs concurrency", "tpot_vs_concurrency": "TPOT vs concurrency",
-              "tok_s_vs_rate": "Output tok/s vs arrival rate", "tpot_vs_rate": "TPOT vs arrival rate",
-              "k_vs_batch": "k chosen vs batch size"}
+        parts.append(
+            "<ul>"
+            + "".join(f"<li>skipped <code>{esc(s['name'])}</code>: {esc(s['reason'])}</li>" for s in results["skipped"])
+            + "</ul>"
+        )
+    parts += [
+        "<h2>Targets</h2>",
+        _html_table(["target", "verdict", "measured"], _target_lines(results)),
+        f"<p>{esc(NOTES)}</p>",
+        "<div class='plots'>",
+    ]
+    titles = {
+        "tok_s_vs_concurrency": "Output tok/s vs concurrency",
+        "tpot_vs_concurrency": "TPOT vs concurrency",
+        "tok_s_vs_rate": "Output tok/s vs arrival rate",
+        "tpot_vs_rate": "TPOT vs arrival rate",
+        "k_vs_batch": "k chosen vs batch size",
+    }
     for name, title in titles.items():
         if name in pngs:
             data = base64.b64encode(pngs[name]).decode("ascii")
@@ -404,8 +534,12 @@ def report_html(results: dict[str, Any], pngs: dict[str, bytes]) -> str:
     sizes = sorted({int(b) for v in kb.values() for b in v})
     if sizes:
         parts.append("<h2>k chosen by batch size (all load points)</h2>")
-        parts.append(_html_table(["method"] + [str(b) for b in sizes],
-                                 [[name] + [_f(v.get(str(b)), 2) for b in sizes] for name, v in kb.items()]))
+        parts.append(
+            _html_table(
+                ["method"] + [str(b) for b in sizes],
+                [[name] + [_f(v.get(str(b)), 2) for b in sizes] for name, v in kb.items()],
+            )
+        )
     parts.append("<p class='meta'>Per-request records: <code>results.json</code> next to this file.</p></body></html>")
     return "\n".join(parts)
 
@@ -425,8 +559,9 @@ def print_console(results: dict[str, Any], console: Any) -> None:
     for temp in results["config"]["temperatures"]:
         table = Table(title=f"bench-serve, T={temp:g} (latencies in ms)")
         for name in HEADER:
-            table.add_column(name, justify="left" if name in ("load", "method", "k by batch (busiest)") else "right",
-                             no_wrap=True)
+            table.add_column(
+                name, justify="left" if name in ("load", "method", "k by batch (busiest)") else "right", no_wrap=True
+            )
         for c in _sorted_cells(results, temp):
             table.add_row(*row_cells(c))
         console.print(table)
@@ -445,25 +580,43 @@ def summary_json(results: dict[str, Any], out: Path) -> str:
     h = results["host"]
     cells, ratio = [], {}
     for c in results["cells"]:
-        cells.append({
-            "method": c["arm"], "load": c["load"]["label"], "T": c["temperature"],
-            "req_s": _round(c["req_per_s"]), "tok_s": _round(c["output_tok_s"], 2),
-            "ttft_p50_ms": _round(c["ttft_ms"]["p50"], 1), "tpot_p50_ms": _round(c["tpot_ms"]["p50"], 2),
-            "tpot_p99_ms": _round(c["tpot_ms"]["p99"], 2), "itl_p50_ms": _round(c["itl_ms"]["p50"], 2),
-            "accept": _round(c["acceptance_rate"]), "mal": _round(c["mean_accepted_length"]),
-            "mean_k": _round(c["mean_k"], 2),
-        })
+        cells.append(
+            {
+                "method": c["arm"],
+                "load": c["load"]["label"],
+                "T": c["temperature"],
+                "req_s": _round(c["req_per_s"]),
+                "tok_s": _round(c["output_tok_s"], 2),
+                "ttft_p50_ms": _round(c["ttft_ms"]["p50"], 1),
+                "tpot_p50_ms": _round(c["tpot_ms"]["p50"], 2),
+                "tpot_p99_ms": _round(c["tpot_ms"]["p99"], 2),
+                "itl_p50_ms": _round(c["itl_ms"]["p50"], 2),
+                "accept": _round(c["acceptance_rate"]),
+                "mal": _round(c["mean_accepted_length"]),
+                "mean_k": _round(c["mean_k"], 2),
+            }
+        )
         if c["method"] != "none" and c.get("vs_plain"):
             ratio[f"{c['arm']} {c['load']['label']} T={c['temperature']:g}"] = {
-                "tok_s": _round(c["vs_plain"]["output_tok_s"]), "tpot_p50": _round(c["vs_plain"]["tpot_p50"]),
+                "tok_s": _round(c["vs_plain"]["output_tok_s"]),
+                "tpot_p50": _round(c["vs_plain"]["tpot_p50"]),
                 "ttft_p50": _round(c["vs_plain"]["ttft_p50"]),
             }
     line = {
-        "command": "bench-serve", "out": str(out), "results": str(out / "results.json"),
-        "report": str(out / "report.html"), "elapsed_s": results.get("elapsed_s"),
-        "host": {"cpu": h.get("cpu"), "cores": h.get("cores"), "cores_available": h.get("cores_available"),
-                 "torch_threads": results["config"]["torch_threads"], "load_average": h.get("load_average")},
-        "cells": cells, "ratios": ratio,
+        "command": "bench-serve",
+        "out": str(out),
+        "results": str(out / "results.json"),
+        "report": str(out / "report.html"),
+        "elapsed_s": results.get("elapsed_s"),
+        "host": {
+            "cpu": h.get("cpu"),
+            "cores": h.get("cores"),
+            "cores_available": h.get("cores_available"),
+            "torch_threads": results["config"]["torch_threads"],
+            "load_average": h.get("load_average"),
+        },
+        "cells": cells,
+        "ratios": ratio,
         "targets": {name: t["met"] for name, t in results["targets"].items()},
         "skipped": [s["name"] for s in results["skipped"]],
     }

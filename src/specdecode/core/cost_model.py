@@ -79,11 +79,15 @@ def best_k(
     overhead_s: float = 0.0,
 ) -> int:
     """The k in 0..k_max with the highest predicted tokens per second."""
-    rates = [predict_tokens_per_s(k, accept_by_position, draft_s_per_token, verify_s, overhead_s) for k in range(k_max + 1)]
+    rates = [
+        predict_tokens_per_s(k, accept_by_position, draft_s_per_token, verify_s, overhead_s) for k in range(k_max + 1)
+    ]
     return max(range(k_max + 1), key=rates.__getitem__)
 
 
-def predicted_speedup(k: int, accept_by_position: Sequence[float], draft_s_per_token: float, verify_s: VerifyCost, overhead_s: float = 0.0) -> float:
+def predicted_speedup(
+    k: int, accept_by_position: Sequence[float], draft_s_per_token: float, verify_s: VerifyCost, overhead_s: float = 0.0
+) -> float:
     """Predicted tokens/s with k drafts over plain decoding's."""
     plain = predict_tokens_per_s(0, accept_by_position, draft_s_per_token, verify_s, overhead_s)
     return predict_tokens_per_s(k, accept_by_position, draft_s_per_token, verify_s, overhead_s) / plain

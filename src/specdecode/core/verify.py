@@ -52,9 +52,7 @@ def draft_probs_or_onehot(draft: Draft, vocab: int) -> torch.Tensor:
     return q.scatter_(-1, draft.tokens.unsqueeze(-1), 1.0)
 
 
-def verify_sampling(
-    draft: Draft, target_probs: torch.Tensor, generator: torch.Generator | None = None
-) -> Verification:
+def verify_sampling(draft: Draft, target_probs: torch.Tensor, generator: torch.Generator | None = None) -> Verification:
     """Speculative sampling: accept x_i with prob min(1, p(x_i)/q(x_i)), resample at the first miss.
 
     ``target_probs``: [batch, k+1, vocab], the target's processed distributions at each drafted

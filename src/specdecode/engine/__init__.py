@@ -8,6 +8,13 @@ from specdecode.engine.request import GenerationConfig, GenerationResult, Specul
 from specdecode.engine.scheduler import Engine, EngineConfig
 
 __all__ = [
-    "Decoder", "DecodeRun", "Engine", "EngineConfig", "GenerationConfig", "GenerationResult", "Speculation",
-    "StreamEvent", "TreeConfig",
+    "Decoder",
+    "DecodeRun",
+    "Engine",
+    "EngineConfig",
+    "GenerationConfig",
+    "GenerationResult",
+    "Speculation",
+    "StreamEvent",
+    "TreeConfig",
 ]

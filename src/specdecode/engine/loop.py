@@ -7,7 +7,12 @@ from typing import Any
 
 from specdecode.engine.policy import KPolicy
 from specdecode.engine.request import (
-    GenerationConfig, GenerationResult, Request, Speculation, StreamEvent, TreeConfig,
+    GenerationConfig,
+    GenerationResult,
+    Request,
+    Speculation,
+    StreamEvent,
+    TreeConfig,
 )
 from specdecode.engine.scheduler import Engine, EngineConfig
 from specdecode.models.base import CausalLM

@@ -135,8 +135,14 @@ class Request:
     """A request from submission to result; owned by the engine that runs it."""
 
     def __init__(
-        self, rid: int, prompt_ids: list[int], config: GenerationConfig, spec: Speculation,
-        target: CausalLM, eos_token_ids: frozenset[int], tokenizer: Any,
+        self,
+        rid: int,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        spec: Speculation,
+        target: CausalLM,
+        eos_token_ids: frozenset[int],
+        tokenizer: Any,
     ) -> None:
         if not prompt_ids:
             raise InputError("empty prompt: give at least one token")
@@ -151,8 +157,12 @@ class Request:
         self.status = WAITING
         self.cancelled = False
         self.arrival = time.perf_counter()
-        policy_name = (spec.policy.name if spec.policy is not None else "fixed") if spec.proposer is not None else "none"
-        self.metrics = RequestMetrics(method=spec.method, k=spec.k_max, prompt_tokens=len(prompt_ids), policy=policy_name)
+        policy_name = (
+            (spec.policy.name if spec.policy is not None else "fixed") if spec.proposer is not None else "none"
+        )
+        self.metrics = RequestMetrics(
+            method=spec.method, k=spec.k_max, prompt_tokens=len(prompt_ids), policy=policy_name
+        )
         self.output = OutputTracker(tokenizer, eos_token_ids, config)
         self.events: list[StreamEvent] = []
         self.result: GenerationResult | None = None

@@ -23,7 +23,15 @@ import torch
 
 from specdecode.engine.planner import Candidate, ForwardCosts, plan
 from specdecode.engine.request import (
-    DONE, PREFILL, RUNNING, WAITING, GenerationConfig, GenerationResult, Request, Row, Speculation,
+    DONE,
+    PREFILL,
+    RUNNING,
+    WAITING,
+    GenerationConfig,
+    GenerationResult,
+    Request,
+    Row,
+    Speculation,
 )
 from specdecode.errors import ConfigError, InputError, QueueFullError
 from specdecode.models.base import CausalLM
@@ -73,7 +81,11 @@ class Engine:
     """Runs requests over one shared target. Not thread-safe: one caller drives ``step``."""
 
     def __init__(
-        self, target: CausalLM, *, eos_token_ids: Iterable[int] = (), tokenizer: Any = None,
+        self,
+        target: CausalLM,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        tokenizer: Any = None,
         config: EngineConfig | None = None,
     ) -> None:
         self.target, self.tokenizer = target, tokenizer
@@ -87,13 +99,21 @@ class Engine:
         self._next_id = 0
 
     # -- requests --------------------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
-               spec: Speculation | None = None) -> Request:
+    def submit(
+        self, prompt_ids: Sequence[int], config: GenerationConfig | None = None, spec: Speculation | None = None
+    ) -> Request:
         """Queue a request; InputError if it can never run, QueueFullError if the queue is full."""
         spec = spec or Speculation()
         spec.check(self.target)
-        request = Request(self._next_id, [int(t) for t in prompt_ids], config or GenerationConfig(), spec,
-                          self.target, self.eos, self.tokenizer)
+        request = Request(
+            self._next_id,
+            [int(t) for t in prompt_ids],
+            config or GenerationConfig(),
+            spec,
+            self.target,
+            self.eos,
+            self.tokenizer,
+        )
         budget = self.config.kv_budget
         if budget is not None and request.capacity > budget:
             raise InputError(f"request needs {request.capacity} cache positions; the engine's KV budget is {budget}")
@@ -117,8 +137,11 @@ class Engine:
             self.step()
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], config: GenerationConfig | Sequence[GenerationConfig] | None = None,
-        spec: Speculation | None = None, on_step: Callable[[int], None] | None = None,
+        self,
+        prompts: Sequence[Sequence[int]],
+        config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+        spec: Speculation | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> list[GenerationResult]:
         """Every prompt's result (in order), all run together; ``config`` is one for all or one
         per prompt; ``on_step(n_finished)`` after each step (progress bars)."""
@@ -136,8 +159,12 @@ class Engine:
         """Cache positions reserved and filled by running requests, against the budget."""
         used = sum(r.cache.length for r in self.running if r.cache is not None)
         budget = self.config.kv_budget
-        return {"reserved": self.reserved, "used": used, "budget": budget or 0,
-                "usage": self.reserved / budget if budget else 0.0}
+        return {
+            "reserved": self.reserved,
+            "used": used,
+            "budget": budget or 0,
+            "usage": self.reserved / budget if budget else 0.0,
+        }
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -209,10 +236,14 @@ class Engine:
         for r in planned:
             k_max = r.clip(r.policy.k_max)
             probe = r.off_steps + 1 >= self.config.probe_every
-            candidates.append(Candidate(
-                r.policy.accept_by_position(), self._draft_cost(r), k_max,
-                min(self.config.probe_k, k_max) if probe else 0,
-            ))
+            candidates.append(
+                Candidate(
+                    r.policy.accept_by_position(),
+                    self._draft_cost(r),
+                    k_max,
+                    min(self.config.probe_k, k_max) if probe else 0,
+                )
+            )
         for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.costs)):
             r.k = k
             r.off_steps = r.off_steps + 1 if k == 0 else 0
@@ -236,8 +267,11 @@ class Engine:
         for group in groups.values():
             t = time.perf_counter()
             drafts = group[0].spec.proposer.propose_batch(
-                [r.proposer for r in group], [r.context for r in group], [r.k for r in group],
-                [r.config.sampling for r in group], [r.generator for r in group],
+                [r.proposer for r in group],
+                [r.context for r in group],
+                [r.k for r in group],
+                [r.config.sampling for r in group],
+                [r.generator for r in group],
             )
             share = (time.perf_counter() - t) / len(group)
             for r, draft in zip(group, drafts):
@@ -250,9 +284,12 @@ class Engine:
         want_hidden = any(row.request.reads_features for row in rows)
         if target.caps.rows:
             out = target.forward_rows(
-                [row.ids for row in rows], [row.request.cache for row in rows],
-                [row.positions for row in rows], [row.mask for row in rows],
-                keep=[row.keep for row in rows], return_hidden=want_hidden,
+                [row.ids for row in rows],
+                [row.request.cache for row in rows],
+                [row.positions for row in rows],
+                [row.mask for row in rows],
+                keep=[row.keep for row in rows],
+                return_hidden=want_hidden,
             )
             logits, hidden = out if want_hidden else (out, [None] * len(rows))
             return [lg[0] for lg in logits], hidden

@@ -109,9 +109,7 @@ def load_tokenizer(model_dir: Path) -> Any:
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {exc}") from None
 
 
-def load_model(
-    path: str | os.PathLike | None = None, *, dtype: str = "float32", backend: str = "auto"
-) -> LoadedModel:
+def load_model(path: str | os.PathLike | None = None, *, dtype: str = "float32", backend: str = "auto") -> LoadedModel:
     """Load a target or draft: None (embedded default), a transformers folder or a GGUF file.
 
     ``backend``: "auto" (native Llama-family path when supported), "native" or "transformers".
@@ -173,6 +171,5 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         )
     if draft.model.vocab_size != target.model.vocab_size:
         raise IncompatibleDraftError(
-            f"draft output vocabulary ({draft.model.vocab_size}) differs from the target's "
-            f"({target.model.vocab_size})"
+            f"draft output vocabulary ({draft.model.vocab_size}) differs from the target's ({target.model.vocab_size})"
         )

@@ -258,8 +258,13 @@ class _Seq:
 
 
 def _attention(
-    x: torch.Tensor, w: LayerWeights, lin: Linear, layer: int, seqs: list[_Seq],
-    rope: tuple[torch.Tensor, torch.Tensor], d: _Dims,
+    x: torch.Tensor,
+    w: LayerWeights,
+    lin: Linear,
+    layer: int,
+    seqs: list[_Seq],
+    rope: tuple[torch.Tensor, torch.Tensor],
+    d: _Dims,
 ) -> torch.Tensor:
     """Self-attention of ``x`` [n, hidden] (the rows of every sequence) over each sequence's cache.
 
@@ -277,8 +282,13 @@ def _attention(
 
 
 def _attend(
-    qk: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-    mask: torch.Tensor | None, d: _Dims,
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: torch.Tensor | None,
+    d: _Dims,
 ) -> torch.Tensor:
     """One sequence: store its new keys/values at ``start``, attend; [n, heads * head_dim] float32.
 
@@ -416,8 +426,13 @@ class NativeCausalLM:
         self.vocab_size = int(weights.embed.shape[0])
         self.max_length = config.max_length
         self._dims = _Dims(
-            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-            config.intermediate_size, config.rms_norm_eps, dtype,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.rms_norm_eps,
+            dtype,
             dtype == torch.bfloat16 if row_exact is None else row_exact,
         )
         self._inv_freq = inv_freq(config.rope, config.head_dim)
@@ -485,8 +500,12 @@ class NativeCausalLM:
             raise ValueError(f"input_ids must have shape [1, n], got {tuple(input_ids.shape)}")
         rows = [input_ids[0]]
         out = self.forward_rows(
-            rows, [cache], None if positions is None else [positions.reshape(-1)],
-            None if attn_mask is None else [attn_mask], last_only=last_only, return_hidden=return_hidden,
+            rows,
+            [cache],
+            None if positions is None else [positions.reshape(-1)],
+            None if attn_mask is None else [attn_mask],
+            last_only=last_only,
+            return_hidden=return_hidden,
         )
         return (out[0][0], out[1][0]) if return_hidden else out[0]
 
@@ -549,7 +568,11 @@ class NativeCausalLM:
         return out, [hidden[0][s.lo : s.hi].float() for s in seqs]
 
     def _run(
-        self, ids: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], last_rows: list[int] | None,
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: list[_Seq],
+        last_rows: list[int] | None,
         hidden: list | None,
     ) -> torch.Tensor:
         """Embed ``ids`` [n] at ``positions`` [n] and run the decoder; float32 logits [rows, vocab]."""

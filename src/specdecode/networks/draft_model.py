@@ -62,8 +62,19 @@ class DraftConfig:
         if rank < 1:
             raise ConfigError(f"the draft's delta rank must be >= 1, got {rank}")
         chosen = tuple(dict.fromkeys(i % n for i in layers))  # (0, 1, -1) on a 2-layer target: (0, 1)
-        return cls(chosen, rank, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                   c.rms_norm_eps, target.vocab_size, min(draft_vocab, target.vocab_size), n)
+        return cls(
+            chosen,
+            rank,
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            target.vocab_size,
+            min(draft_vocab, target.vocab_size),
+            n,
+        )
 
     @property
     def shape(self) -> LayerShape:
@@ -72,8 +83,12 @@ class DraftConfig:
     def dims(self, name: str) -> tuple[int, int]:
         """(out, in) of one fused matrix."""
         qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
-        return {"wqkv": (qkv, self.hidden), "wo": (self.hidden, self.heads * self.head_dim),
-                "wgu": (2 * self.intermediate, self.hidden), "wd": (self.hidden, self.intermediate)}[name]
+        return {
+            "wqkv": (qkv, self.hidden),
+            "wo": (self.hidden, self.heads * self.head_dim),
+            "wgu": (2 * self.intermediate, self.hidden),
+            "wd": (self.hidden, self.intermediate),
+        }[name]
 
     def macs_per_token(self) -> tuple[int, int]:
         """Multiply-adds of the matrices per token (attention over the context excluded): (draft, target)."""
@@ -146,8 +161,9 @@ class DistilledDraft(nn.Module):
         """Layer i's effective tensors: the target's matrices plus the trained deltas."""
         delta, base = self.layers[i], self.base[i]
         merged = {name: base[name] + delta.delta(name) for name in MATRICES}
-        return LayerParams(ln1=delta.ln1, ln2=delta.ln2, **merged, bqkv=base["bqkv"], bo=base["bo"], bgu=base["bgu"],
-                           bd=base["bd"])
+        return LayerParams(
+            ln1=delta.ln1, ln2=delta.ln2, **merged, bqkv=base["bqkv"], bo=base["bo"], bgu=base["bgu"], bd=base["bd"]
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [B, T, draft_vocab] of token windows [B, T] (causal, from position 0)."""
@@ -168,13 +184,26 @@ class DistilledDraft(nn.Module):
         layers = []
         for i in range(len(self.layers)):
             p = self.params(i)
-            layers.append(LayerWeights(
-                ln1=p.ln1.detach().float().clone(), wqkv=p.wqkv.to(dtype), bqkv=_cast(p.bqkv, dtype),
-                wo=p.wo.to(dtype), bo=_cast(p.bo, dtype), ln2=p.ln2.detach().float().clone(),
-                wgu=p.wgu.to(dtype), bgu=_cast(p.bgu, dtype), wd=p.wd.to(dtype), bd=_cast(p.bd, dtype),
-            ))
-        weights = Weights(embed=target.weights.embed, layers=layers, norm=self.norm.detach().float().clone(),
-                          lm_head=self.out_rows.to(dtype).contiguous())
+            layers.append(
+                LayerWeights(
+                    ln1=p.ln1.detach().float().clone(),
+                    wqkv=p.wqkv.to(dtype),
+                    bqkv=_cast(p.bqkv, dtype),
+                    wo=p.wo.to(dtype),
+                    bo=_cast(p.bo, dtype),
+                    ln2=p.ln2.detach().float().clone(),
+                    wgu=p.wgu.to(dtype),
+                    bgu=_cast(p.bgu, dtype),
+                    wd=p.wd.to(dtype),
+                    bd=_cast(p.bd, dtype),
+                )
+            )
+        weights = Weights(
+            embed=target.weights.embed,
+            layers=layers,
+            norm=self.norm.detach().float().clone(),
+            lm_head=self.out_rows.to(dtype).contiguous(),
+        )
         if target.weights.linear is not F.linear:
             pack_weights(weights)
         config = dataclasses.replace(target.config, num_layers=len(layers))

@@ -20,8 +20,16 @@ from torch import nn
 
 from specdecode.errors import ConfigError
 from specdecode.models.rope import cos_sin, inv_freq
-from specdecode.networks.layers import (DraftingSnapshot, LayerParams, LayerShape, decoder_layer, output_rows,
-                                        pack_matrix, packed, rows_linear)
+from specdecode.networks.layers import (
+    DraftingSnapshot,
+    LayerParams,
+    LayerShape,
+    decoder_layer,
+    output_rows,
+    pack_matrix,
+    packed,
+    rows_linear,
+)
 
 
 @dataclass(frozen=True)
@@ -38,8 +46,16 @@ class HeadConfig:
     @classmethod
     def for_target(cls, target, draft_vocab: int) -> "HeadConfig":
         c = target.config
-        return cls(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                   c.rms_norm_eps, target.vocab_size, min(draft_vocab, target.vocab_size))
+        return cls(
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            target.vocab_size,
+            min(draft_vocab, target.vocab_size),
+        )
 
 
 class EagleHead(DraftingSnapshot, nn.Module):

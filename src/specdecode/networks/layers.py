@@ -81,8 +81,11 @@ def decoder_layer(
         if mask is None and t > 1:
             mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
         out = F.scaled_dot_product_attention(
-            q, keys[:, :, :end], values[:, :, :end],
-            attn_mask=None if mask is None else mask.view(1, 1, t, end), enable_gqa=hkv != hq,
+            q,
+            keys[:, :, :end],
+            values[:, :, :end],
+            attn_mask=None if mask is None else mask.view(1, 1, t, end),
+            enable_gqa=hkv != hq,
         )
     x = x + rows_linear(linear, out.transpose(1, 2).reshape(b, t, hq * hd), w.wo, w.bo)
     gate, up = rows_linear(linear, F.rms_norm(x, (s.hidden,), w.ln2, s.eps), w.wgu, w.bgu).split(s.intermediate, dim=-1)
@@ -104,8 +107,15 @@ def packed(target, w: LayerParams) -> tuple[LayerParams, object]:
     if lin is F.linear:
         return w, F.linear
     pack = lambda m: None if m is None else pack_matrix(m)  # noqa: E731
-    return LayerParams(w.ln1.detach(), pack(w.wqkv), pack(w.wo), w.ln2.detach(), pack(w.wgu), pack(w.wd),
-                       *(None if b is None else b.detach() for b in (w.bqkv, w.bo, w.bgu, w.bd))), lin
+    return LayerParams(
+        w.ln1.detach(),
+        pack(w.wqkv),
+        pack(w.wo),
+        w.ln2.detach(),
+        pack(w.wgu),
+        pack(w.wd),
+        *(None if b is None else b.detach() for b in (w.bqkv, w.bo, w.bgu, w.bd)),
+    ), lin
 
 
 class DraftingSnapshot:

@@ -22,6 +22,7 @@ from torch import nn
 from specdecode.errors import ConfigError
 from specdecode.networks.layers import DraftingSnapshot, output_rows, pack_matrix, rows_linear
 
+
 @dataclass(frozen=True)
 class MedusaConfig:
     hidden: int

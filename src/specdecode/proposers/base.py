@@ -41,9 +41,7 @@ class Proposer(Protocol):
         """A fresh per-request state for a request whose prompt is ``prompt_ids`` (self unchanged)."""
         ...
 
-    def propose(
-        self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Draft:
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         """Up to ``k`` candidates continuing ``context`` (every committed token so far).
 
         Stochastic proposers return their processed distributions q ([1, k, vocab], the same

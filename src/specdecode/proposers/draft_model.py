@@ -6,7 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.core.sampling import SamplingConfig, check_threshold, confident_prefix, logits_to_probs, sample, to_vocab
+from specdecode.core.sampling import (
+    SamplingConfig,
+    check_threshold,
+    confident_prefix,
+    logits_to_probs,
+    sample,
+    to_vocab,
+)
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.base import CausalLM
@@ -72,9 +79,7 @@ class DraftModelProposer(PerRequest):
         fresh = self._fresh(context)
         return self.model.forward(torch.tensor([fresh], dtype=torch.long), self.cache, last_only=True)[:, -1]
 
-    def propose(
-        self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Draft:
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         if k == 0:
             return Draft.empty()
         chain = _Chain(self, k, sampling, generator)
@@ -84,8 +89,12 @@ class DraftModelProposer(PerRequest):
         return chain.draft()
 
     def propose_batch(
-        self, states: list["DraftModelProposer"], contexts: list[list[int]], ks: list[int],
-        samplings: list[SamplingConfig], generators: list[torch.Generator | None],
+        self,
+        states: list["DraftModelProposer"],
+        contexts: list[list[int]],
+        ks: list[int],
+        samplings: list[SamplingConfig],
+        generators: list[torch.Generator | None],
     ) -> list[Draft]:
         """Every state's chain (states started from this proposer, so sharing its draft model),
         with one multi-row draft forward per draft step; each chain is exactly what ``propose``
@@ -100,8 +109,9 @@ class DraftModelProposer(PerRequest):
         while live:
             live = [i for i in live if chains[i].pick(logits[i])]
             if live:
-                out = self.model.forward_rows([chains[i].tokens[-1].view(1) for i in live],
-                                              [states[i].cache for i in live], last_only=True)
+                out = self.model.forward_rows(
+                    [chains[i].tokens[-1].view(1) for i in live], [states[i].cache for i in live], last_only=True
+                )
                 logits = {i: o[:, -1] for i, o in zip(live, out)}
         return [c.draft() for c in chains]
 
@@ -209,4 +219,3 @@ def _score_level(proposer: DraftModelProposer, level: list[_Node], slots: dict, 
     positions = torch.tensor([[base + len(node.tokens) - 1 for node in level]])
     out = proposer.model.forward(ids, proposer.cache, positions=positions, attn_mask=mask)[0]
     return [(node, out[i]) for i, node in enumerate(level)]
-

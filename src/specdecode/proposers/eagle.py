@@ -16,7 +16,14 @@ from pathlib import Path
 
 import torch
 
-from specdecode.core.sampling import SamplingConfig, check_threshold, confident_prefix, logits_to_probs, sample, to_vocab
+from specdecode.core.sampling import (
+    SamplingConfig,
+    check_threshold,
+    confident_prefix,
+    logits_to_probs,
+    sample,
+    to_vocab,
+)
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.static_cache import StaticKVCache
@@ -24,12 +31,14 @@ from specdecode.networks.storage import load_head
 from specdecode.proposers.base import PerRequest, ProposerCaps
 from specdecode.proposers.features import TargetFeatures
 
+
 class EagleProposer(TargetFeatures, PerRequest):
     name = "eagle"
     caps = ProposerCaps(trees=True, reads_target_features=True, confidence=True, needs_native=True)
 
-    def __init__(self, target, head=None, path: str | Path | None = None, branch: int = 4,
-                 confidence_threshold: float = 0.0) -> None:
+    def __init__(
+        self, target, head=None, path: str | Path | None = None, branch: int = 4, confidence_threshold: float = 0.0
+    ) -> None:
         """``confidence_threshold`` > 0: a chain stops before the first draft token whose head top
         probability is below it (EAGLE-2's observation: the head's confidence tracks acceptance)."""
         if not target.caps.hidden:
@@ -54,7 +63,9 @@ class EagleProposer(TargetFeatures, PerRequest):
 
     def reset(self, prompt_ids: list[int]) -> None:
         self._watch(prompt_ids)
-        self.cache = StaticKVCache(1, self.head.cfg.kv_heads, self.head.cfg.head_dim, len(prompt_ids) + 256, torch.float32)
+        self.cache = StaticKVCache(
+            1, self.head.cfg.kv_heads, self.head.cfg.head_dim, len(prompt_ids) + 256, torch.float32
+        )
         self.hlen = 0  # head entries 0..hlen-1 are built from true features and committed tokens
         self._tail = None  # the head's output at entry hlen-1 (the predicted f^_{hlen})
 
@@ -67,15 +78,22 @@ class EagleProposer(TargetFeatures, PerRequest):
         self.cache.trim(self.hlen)
         lo, hi = self.hlen, n - 1  # new entries lo..hi-1
         if lo < hi:  # none when asked twice for the same context
-            out = self._step(self.feats[lo:hi].unsqueeze(0), torch.tensor(context[lo + 1 : hi + 1]), torch.arange(lo, hi))
+            out = self._step(
+                self.feats[lo:hi].unsqueeze(0), torch.tensor(context[lo + 1 : hi + 1]), torch.arange(lo, hi)
+            )
             self.hlen, self._tail = hi, out[:, -1:]
         return self._tail
 
     def _step(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask=None) -> torch.Tensor:
         start = self.cache.reserve(feats.shape[1])
         return self.head(
-            feats, self.head.embed_tokens(tokens).unsqueeze(0), positions,
-            self.cache.keys[0], self.cache.values[0], start, mask,
+            feats,
+            self.head.embed_tokens(tokens).unsqueeze(0),
+            positions,
+            self.cache.keys[0],
+            self.cache.values[0],
+            start,
+            mask,
         )
 
     # -- chains -------------------------------------------------------------------------------
@@ -143,7 +161,7 @@ class EagleProposer(TargetFeatures, PerRequest):
         feats = {id(node): feat for node, feat in frontier}
         mask = torch.zeros(m, start + m, dtype=torch.bool)
         mask[:, :base] = True
-        for i, (node, parent) in enumerate(level):
+        for i, (_node, parent) in enumerate(level):
             slot = parent.slot
             while slot >= 0:  # the parent's entry and, through it, its ancestors'
                 mask[i, slot] = True

@@ -38,8 +38,9 @@ class TargetFeatures:
         self._own = None  # private target cache for features the sink missed
         self._own_len = 0
 
-    def observe_forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                        hidden: torch.Tensor) -> None:
+    def observe_forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, hidden: torch.Tensor
+    ) -> None:
         """A target forward over this request's cache: ids [n], positions [n], its mask
         ([n, length + n] bool, or None for causal) and its features hidden [n, hidden]."""
         self._records.append((ids, positions, mask, hidden))

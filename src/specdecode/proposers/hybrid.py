@@ -37,7 +37,9 @@ class HybridProposer(PerRequest):
         self.drafter, self.min_match, self.max_ngram = drafter, min_match, max_ngram
         inner = drafter.caps
         self.caps = ProposerCaps(  # chains only; what the drafter reads, the hybrid passes on
-            reads_target_features=inner.reads_target_features, confidence=True, needs_native=inner.needs_native,
+            reads_target_features=inner.reads_target_features,
+            confidence=True,
+            needs_native=inner.needs_native,
             shares_target_cache=inner.shares_target_cache,
         )
         self.rounds = {"lookup": 0, "drafter": 0, "short": 0}  # which source drafted, in this request
@@ -59,9 +61,7 @@ class HybridProposer(PerRequest):
     def observe_forward(self, ids, positions, mask, hidden) -> None:
         self.drafter.observe_forward(ids, positions, mask, hidden)
 
-    def propose(
-        self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Draft:
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         source, found = "lookup", lookup(context, k, self.max_ngram, self.min_match) if k > 0 else []
         if not found:
             draft = self.drafter.propose(context, k, sampling, generator)

@@ -26,7 +26,9 @@ class LookaheadProposer(PerRequest):
 
     def __init__(self, window: int = 6, ngram: int = 4, max_per_key: int = 6) -> None:
         if window < 1 or ngram < 2 or max_per_key < 1:
-            raise ConfigError(f"lookahead needs window >= 1, ngram >= 2, max_per_key >= 1; got {window}, {ngram}, {max_per_key}")
+            raise ConfigError(
+                f"lookahead needs window >= 1, ngram >= 2, max_per_key >= 1; got {window}, {ngram}, {max_per_key}"
+            )
         self.window_size, self.ngram, self.max_per_key = window, ngram, max_per_key
         self.pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
         self.window: list[int] = []

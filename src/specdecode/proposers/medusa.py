@@ -26,7 +26,14 @@ from pathlib import Path
 
 import torch
 
-from specdecode.core.sampling import SamplingConfig, check_threshold, confident_prefix, logits_to_probs, sample, to_vocab
+from specdecode.core.sampling import (
+    SamplingConfig,
+    check_threshold,
+    confident_prefix,
+    logits_to_probs,
+    sample,
+    to_vocab,
+)
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.networks.medusa_heads import MedusaHeads
@@ -39,8 +46,9 @@ class MedusaProposer(TargetFeatures, PerRequest):
     name = "medusa"
     caps = ProposerCaps(trees=True, reads_target_features=True, confidence=True, needs_native=True)
 
-    def __init__(self, target, heads=None, path: str | Path | None = None, branch: int = 4,
-                 confidence_threshold: float = 0.0) -> None:
+    def __init__(
+        self, target, heads=None, path: str | Path | None = None, branch: int = 4, confidence_threshold: float = 0.0
+    ) -> None:
         """``heads``: trained :class:`~specdecode.networks.medusa_heads.MedusaHeads`, or a folder ``path`` with them.
         ``confidence_threshold`` > 0: a chain stops before the first head whose top probability is below it."""
         if not target.caps.hidden:

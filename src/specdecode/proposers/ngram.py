@@ -22,9 +22,7 @@ class NgramProposer(PerRequest):
             raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(
-        self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Draft:
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         return Draft(tokens=torch.tensor([lookup(context, k, self.max_ngram, self.min_ngram)], dtype=torch.long))
 
     def propose_tree(self, context: list[int], k: int, max_nodes: int) -> list[list[int]]:

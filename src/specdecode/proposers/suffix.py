@@ -264,9 +264,7 @@ class SuffixProposer(PerRequest):
                 best, best_key = (sam, state, limit, path), key
         return best
 
-    def propose(
-        self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Draft:
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         self._sync(context)
         best = self._best(k) if k > 0 else None
         if best is None:

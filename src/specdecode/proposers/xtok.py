@@ -79,9 +79,7 @@ class CrossTokenizerProposer(PerRequest):
         ratio = max(1.0, n_draft / max(1, n_target))
         return min(self.max_draft_tokens, math.ceil((k + 1) * ratio))
 
-    def propose(
-        self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Draft:
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         if k < 1:
             return Draft.empty()
         if self.cache is None:

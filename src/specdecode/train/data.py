@@ -48,17 +48,69 @@ TEMPLATES = [
 ]
 
 TOPICS = [
-    "gardening", "volcanoes", "the stock market", "machine learning", "photosynthesis", "jazz music",
-    "the French revolution", "climate change", "sorting algorithms", "healthy breakfasts", "chess openings",
-    "black holes", "public transport", "the immune system", "renewable energy", "ancient Rome", "coffee",
-    "recursion", "time management", "bird migration", "the water cycle", "electric cars", "databases",
-    "meditation", "plate tectonics", "origami", "supply and demand", "the human heart", "volunteering",
-    "prime numbers", "baking bread", "the Internet", "honey bees", "job interviews", "recycling",
-    "linear regression", "mountain hiking", "the Moon landing", "spreadsheets", "friendship",
-    "probability", "solar panels", "writing a resume", "dinosaurs", "the printing press", "vaccines",
-    "hash tables", "learning a language", "ocean currents", "budget travel", "graph theory", "tea",
-    "the Renaissance", "smartphones", "sleep", "running a marathon", "compound interest", "rainforests",
-    "unit testing", "classical music", "earthquakes", "nutrition labels", "regular expressions",
+    "gardening",
+    "volcanoes",
+    "the stock market",
+    "machine learning",
+    "photosynthesis",
+    "jazz music",
+    "the French revolution",
+    "climate change",
+    "sorting algorithms",
+    "healthy breakfasts",
+    "chess openings",
+    "black holes",
+    "public transport",
+    "the immune system",
+    "renewable energy",
+    "ancient Rome",
+    "coffee",
+    "recursion",
+    "time management",
+    "bird migration",
+    "the water cycle",
+    "electric cars",
+    "databases",
+    "meditation",
+    "plate tectonics",
+    "origami",
+    "supply and demand",
+    "the human heart",
+    "volunteering",
+    "prime numbers",
+    "baking bread",
+    "the Internet",
+    "honey bees",
+    "job interviews",
+    "recycling",
+    "linear regression",
+    "mountain hiking",
+    "the Moon landing",
+    "spreadsheets",
+    "friendship",
+    "probability",
+    "solar panels",
+    "writing a resume",
+    "dinosaurs",
+    "the printing press",
+    "vaccines",
+    "hash tables",
+    "learning a language",
+    "ocean currents",
+    "budget travel",
+    "graph theory",
+    "tea",
+    "the Renaissance",
+    "smartphones",
+    "sleep",
+    "running a marathon",
+    "compound interest",
+    "rainforests",
+    "unit testing",
+    "classical music",
+    "earthquakes",
+    "nutrition labels",
+    "regular expressions",
 ]
 
 # Topics never used for training data: held-out evaluation prompts come from these.
@@ -92,15 +144,17 @@ def task_prompt(rng: random.Random, passages: list[str]) -> str:
     word = rng.choice([w.strip("*.,:()") for w in passage.split() if len(w) > 6] or ["Python"])
     a, b, c = rng.randint(2, 40), rng.randint(2, 12), rng.randint(3, 9)
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    return rng.choice([
-        f"Summarize the following text in a few sentences:\n\n{passage}",
-        f"Answer the question using only the context.\n\nContext: {passage}\n\nQuestion: What does the context say about {word}?",
-        f"Rewrite this text in simpler words:\n\n{passage}",
-        f"Fix any mistakes in this text and return it in full:\n\n{passage}",
-        f"{name} has {a} {item} and buys {b} packs of {c} more. How many {item} does {name} have now? Think step by step.",
-        f"A train travels {a * 5} km in {b} hours. What is its average speed? Show your reasoning.",
-        f"What is {a} times {b}, plus {c * 7}? Explain each step.",
-    ])
+    return rng.choice(
+        [
+            f"Summarize the following text in a few sentences:\n\n{passage}",
+            f"Answer the question using only the context.\n\nContext: {passage}\n\nQuestion: What does the context say about {word}?",
+            f"Rewrite this text in simpler words:\n\n{passage}",
+            f"Fix any mistakes in this text and return it in full:\n\n{passage}",
+            f"{name} has {a} {item} and buys {b} packs of {c} more. How many {item} does {name} have now? Think step by step.",
+            f"A train travels {a * 5} km in {b} hours. What is its average speed? Show your reasoning.",
+            f"What is {a} times {b}, plus {c * 7}? Explain each step.",
+        ]
+    )
 
 
 def doc_passages(seed: int, n: int = 2000, max_chars: int = 700) -> list[str]:
@@ -116,7 +170,9 @@ def doc_passages(seed: int, n: int = 2000, max_chars: int = 700) -> list[str]:
 
 
 def heldout_prompts(n: int = 4) -> list[str]:
-    return [TEMPLATES[i % len(TEMPLATES)].format(t=t, u=HELDOUT_TOPICS[i - 1]) for i, t in enumerate(HELDOUT_TOPICS[:n])]
+    return [
+        TEMPLATES[i % len(TEMPLATES)].format(t=t, u=HELDOUT_TOPICS[i - 1]) for i, t in enumerate(HELDOUT_TOPICS[:n])
+    ]
 
 
 def stdlib_texts(n: int, seed: int, max_chars: int = 1600) -> list[str]:
@@ -161,8 +217,9 @@ def user_turn_prefix(tokenizer) -> list[int] | None:
     return list(tokenizer.encode(text[: text.index(sentinel)], add_special_tokens=False))
 
 
-def self_instruct_prompts(target, tokenizer, n: int, seed: int, eos: tuple[int, ...], batch: int = 48,
-                          max_tokens: int = 96) -> list[str]:
+def self_instruct_prompts(
+    target, tokenizer, n: int, seed: int, eos: tuple[int, ...], batch: int = 48, max_tokens: int = 96
+) -> list[str]:
     """``n`` distinct user turns written by the target itself (Magpie, arXiv 2406.08464).
 
     The target continues its chat template's empty user turn, sampled at temperature 1 (top-p
@@ -184,8 +241,10 @@ def self_instruct_prompts(target, tokenizer, n: int, seed: int, eos: tuple[int, 
         if want <= 0:
             break
         m = want + want // 4 + 1
-        configs = [GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed * 1_000_003 + drawn + i)
-                   for i in range(m)]
+        configs = [
+            GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed * 1_000_003 + drawn + i)
+            for i in range(m)
+        ]
         drawn += m
         turns = [r.token_ids for r in engine.generate([prefix] * m, configs)]
         for t in turns:
@@ -204,7 +263,9 @@ def is_heldout(ids: list[int], fraction: float) -> bool:
     return zlib.crc32(torch.tensor(ids, dtype=torch.int32).numpy().tobytes()) % 10_000 < fraction * 10_000
 
 
-def generate_responses(target, prompts: list[list[int]], max_new: int, batch: int, eos: tuple[int, ...], progress: bool = True) -> list[list[int]]:
+def generate_responses(
+    target, prompts: list[list[int]], max_new: int, batch: int, eos: tuple[int, ...], progress: bool = True
+) -> list[list[int]]:
     """Greedy continuations of ``prompts`` by the native target, continuously batched.
 
     Identical to decoding each prompt alone, and ~1.8x the tokens per second of transformers'
@@ -216,8 +277,9 @@ def generate_responses(target, prompts: list[list[int]], max_new: int, batch: in
 
     engine = Engine(target, eos_token_ids=eos, config=EngineConfig(max_batch=batch))
     with tqdm(total=len(prompts), desc="generate", disable=not progress) as bar:
-        results = engine.generate(prompts, GenerationConfig(max_new_tokens=max_new),
-                                  on_step=lambda done: bar.update(done - bar.n))
+        results = engine.generate(
+            prompts, GenerationConfig(max_new_tokens=max_new), on_step=lambda done: bar.update(done - bar.n)
+        )
     outs = [r.token_ids for r in results]
     return [p + o for p, o in zip(prompts, outs)]
 
@@ -269,8 +331,14 @@ def build_dataset(
         if j % 2 == 0:
             ids = list(tok.encode(text, add_special_tokens=False))
         else:
-            ask = rng.choice(["Show me some Python code from the standard library.", "Write an example Python module.",
-                              "Write Python code with docstrings.", "Continue this Python code."])
+            ask = rng.choice(
+                [
+                    "Show me some Python code from the standard library.",
+                    "Write an example Python module.",
+                    "Write Python code with docstrings.",
+                    "Continue this Python code.",
+                ]
+            )
             ids = chat_ids(tok, ask, text)
         if len(ids) >= 8:
             sequences.append(ids)
@@ -286,8 +354,14 @@ def _bar(items: list, desc: str, progress: bool):
     return tqdm(items, desc=desc, disable=not progress)
 
 
-def write_shard(out_path: str | Path, sequences: list[list[int]], kinds: list[str], feats: list[torch.Tensor],
-                heldout_fraction: float, seed: int) -> dict:
+def write_shard(
+    out_path: str | Path,
+    sequences: list[list[int]],
+    kinds: list[str],
+    feats: list[torch.Tensor],
+    heldout_fraction: float,
+    seed: int,
+) -> dict:
     """Store sequences (chat answers first: the trainers' chat stream is the shard's first
     ``generated_sequences``), their fp16 features and the held-out flags; return the summary."""
     from safetensors.torch import save_file

@@ -25,8 +25,17 @@ from specdecode.networks.draft_model import DistilledDraft, DraftConfig
 from specdecode.networks.storage import save_head
 from specdecode.train.draft_model import distill_loss, same_sequence
 from specdecode.train.trainer import (
-    common_arguments, common_card, common_options, draft_vocabulary, fit, heldout_acceptance, heldout_agreement,
-    mixed_source, report, setup_run, weighted_tokens,
+    common_arguments,
+    common_card,
+    common_options,
+    draft_vocabulary,
+    fit,
+    heldout_acceptance,
+    heldout_agreement,
+    mixed_source,
+    report,
+    setup_run,
+    weighted_tokens,
 )
 
 DEFAULT_LAYERS = (0, 1, -1)  # the first two layers and the last: input features and output mapping
@@ -73,9 +82,20 @@ def train_draft_model(
         loss, agree = distill_loss(draft, feats, tokens, valid)
         return loss, {"top1": float(agree)}
 
-    done = fit(draft, step_loss, run.out / "checkpoint.pt", steps=total, lr=lr, seed=seed, resume=resume,
-               checkpoint_every=checkpoint_every, stop_at=stop_at, max_minutes=max_minutes, progress=progress,
-               desc="train draft-model")
+    done = fit(
+        draft,
+        step_loss,
+        run.out / "checkpoint.pt",
+        steps=total,
+        lr=lr,
+        seed=seed,
+        resume=resume,
+        checkpoint_every=checkpoint_every,
+        stop_at=stop_at,
+        max_minutes=max_minutes,
+        progress=progress,
+        desc="train draft-model",
+    )
     if done is None:
         return None
     history, train_seconds = done
@@ -86,18 +106,32 @@ def train_draft_model(
             return float(distill_loss(draft, feats, tokens, valid)[1]), int(same_sequence(valid).sum())
 
     heldout = {"top1_agreement": heldout_agreement(held, opts["seq_len"], agreement)}
-    heldout.update(heldout_acceptance(run.model_dir, lambda loaded: _proposer(draft, loaded.model),
-                                      opts["eval_prompts"], opts["eval_tokens"]))
+    heldout.update(
+        heldout_acceptance(
+            run.model_dir, lambda loaded: _proposer(draft, loaded.model), opts["eval_prompts"], opts["eval_tokens"]
+        )
+    )
     layers = " ".join(str(i) for i in cfg.layers)
     card = common_card(
-        run, "draft-model", lr=lr, seed=seed, chat_weight=chat_weight, draft_vocab=cfg.draft_vocab, history=history,
-        train_seconds=train_seconds, heldout=heldout, quick=quick, extra_args=f" --layers {layers} --rank {cfg.rank}",
+        run,
+        "draft-model",
+        lr=lr,
+        seed=seed,
+        chat_weight=chat_weight,
+        draft_vocab=cfg.draft_vocab,
+        history=history,
+        train_seconds=train_seconds,
+        heldout=heldout,
+        quick=quick,
+        extra_args=f" --layers {layers} --rank {cfg.rank}",
         how=f"layer pruning + distillation: the target's layers {list(cfg.layers)} (of {cfg.target_layers}) with its "
-            f"final norm, each matrix plus a trained rank-{cfg.rank} delta, norms trained; loss KL(target || draft) "
-            "against the target's next-token distribution over the draft vocabulary (its final norm and LM-head "
-            "rows applied to the stored features); input embedding and LM-head rows shared with the target",
+        f"final norm, each matrix plus a trained rank-{cfg.rank} delta, norms trained; loss KL(target || draft) "
+        "against the target's next-token distribution over the draft vocabulary (its final norm and LM-head "
+        "rows applied to the stored features); input embedding and LM-head rows shared with the target",
     )
-    card.update(layers=list(cfg.layers), rank=cfg.rank, cost=measure_cost(run.model_dir, draft, repeats=8 if quick else 64))
+    card.update(
+        layers=list(cfg.layers), rank=cfg.rank, cost=measure_cost(run.model_dir, draft, repeats=8 if quick else 64)
+    )
     save_head(draft, run.out, card)
     return json.loads((run.out / "card.json").read_text())
 
@@ -149,16 +183,23 @@ def measure_cost(model_dir: Path, draft: DistilledDraft, repeats: int = 64, cont
         "target_ms_per_token": round(1e3 * median["target"], 3),
         "time_ratio": round(median["target"] / median["draft"], 2),
         "measured": f"median of {repeats} interleaved 1-token forwards after a {context}-token context, "
-                    f"{torch.get_num_threads()} thread(s)",
+        f"{torch.get_num_threads()} thread(s)",
     }
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="specdecode train draft-model",
-                                description="Distill a small draft model (a few of the target's layers) for a target.")
+    p = argparse.ArgumentParser(
+        prog="specdecode train draft-model",
+        description="Distill a small draft model (a few of the target's layers) for a target.",
+    )
     common_arguments(p, lr=1e-3)
-    p.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS),
-                   help="the target's layers the draft starts from (negative: from the end)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_LAYERS),
+        help="the target's layers the draft starts from (negative: from the end)",
+    )
     p.add_argument("--rank", type=int, default=128, help="rank of the trained delta on every matrix")
     args = p.parse_args(argv)
     card = train_draft_model(args.out, args.target, layers=tuple(args.layers), rank=args.rank, **common_options(args))

@@ -42,8 +42,16 @@ def unrolled_predictions(head: EagleHead, inputs: torch.Tensor, embeds: torch.Te
     return preds
 
 
-def head_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, scale: float, noise: float = 0.0,
-              valid: torch.Tensor | None = None, depth: int = 1, decay: float = 0.8):
+def head_loss(
+    head: EagleHead,
+    feats: torch.Tensor,
+    tokens: torch.Tensor,
+    scale: float,
+    noise: float = 0.0,
+    valid: torch.Tensor | None = None,
+    depth: int = 1,
+    decay: float = 0.8,
+):
     """EAGLE's loss on windows: feats [B, T+1, hidden] (f_0..f_T), tokens [B, T+1] (x_0..x_T).
 
     Pair i = (f_i, x_{i+1}) predicts f_{i+1}: smooth-L1 on features (divided by ``scale``, the

@@ -22,13 +22,24 @@ from specdecode.networks.medusa_heads import MedusaConfig, MedusaHeads
 from specdecode.networks.storage import save_head
 from specdecode.train.medusa import LOSS_DECAY, medusa_loss
 from specdecode.train.trainer import (
-    common_arguments, common_card, common_options, draft_vocabulary, fit, heldout_acceptance, heldout_agreement,
-    mixed_source, report, setup_run, weighted_tokens,
+    common_arguments,
+    common_card,
+    common_options,
+    draft_vocabulary,
+    fit,
+    heldout_acceptance,
+    heldout_agreement,
+    mixed_source,
+    report,
+    setup_run,
+    weighted_tokens,
 )
 
-HOW = ("Medusa-1 style heads: residual blocks h + SiLU(W h + b) on the target's final-normed last hidden state, "
-       "sharing the target's frozen LM head over the draft vocabulary; head i predicts x_{t+2+i}. Self-distilled: "
-       f"cross-entropy vs the target's own distribution of that token, head i weighted {LOSS_DECAY}^i")
+HOW = (
+    "Medusa-1 style heads: residual blocks h + SiLU(W h + b) on the target's final-normed last hidden state, "
+    "sharing the target's frozen LM head over the draft vocabulary; head i predicts x_{t+2+i}. Self-distilled: "
+    f"cross-entropy vs the target's own distribution of that token, head i weighted {LOSS_DECAY}^i"
+)
 
 
 def train_medusa(
@@ -62,7 +73,9 @@ def train_medusa(
     cfg = MedusaConfig.for_target(target_model, num_heads, draft_vocab)
     heads = MedusaHeads(cfg)
     with torch.no_grad():
-        heads.vocab_ids.copy_(draft_vocabulary(weighted_tokens(train, chat, chat_weight), cfg.draft_vocab, cfg.vocab_size, run.eos))
+        heads.vocab_ids.copy_(
+            draft_vocabulary(weighted_tokens(train, chat, chat_weight), cfg.draft_vocab, cfg.vocab_size, run.eos)
+        )
     heads.attach(target_model)
 
     def step_loss(rng):
@@ -71,28 +84,58 @@ def train_medusa(
         loss, ce, agree, _ = medusa_loss(heads, feats, valid)
         return loss, {"ce": float(ce.mean()), **{f"top1_{i}": float(a) for i, a in enumerate(agree)}}
 
-    done = fit(heads, step_loss, run.out / "checkpoint.pt", steps=opts["steps"], lr=lr, seed=seed, resume=resume,
-               checkpoint_every=checkpoint_every, stop_at=stop_at, max_minutes=max_minutes, progress=progress,
-               desc="train medusa")
+    done = fit(
+        heads,
+        step_loss,
+        run.out / "checkpoint.pt",
+        steps=opts["steps"],
+        lr=lr,
+        seed=seed,
+        resume=resume,
+        checkpoint_every=checkpoint_every,
+        stop_at=stop_at,
+        max_minutes=max_minutes,
+        progress=progress,
+        desc="train medusa",
+    )
     if done is None:
         return None
     history, train_seconds = done
 
     def agreement(head: int):
         """Head ``head``'s top-1 agreement with the target's argmax (draft vocabulary) on one window."""
+
         def one(feats, _tokens, valid):
             _, _, agree, counts = medusa_loss(heads, feats, valid)
             return (float(agree[head]), counts[head]) if head < len(counts) else (0.0, 0)  # a window too short
 
         return one
 
-    heldout = {"top1_agreement_per_head": [heldout_agreement(held, opts["seq_len"], agreement(i))
-                                           for i in range(num_heads)]}
-    heldout.update(heldout_acceptance(run.model_dir, lambda loaded: MedusaProposer(loaded.model, heads=heads),
-                                      opts["eval_prompts"], opts["eval_tokens"]))
-    card = common_card(run, "medusa", how=HOW, lr=lr, seed=seed, chat_weight=chat_weight, draft_vocab=cfg.draft_vocab,
-                       history=history, train_seconds=train_seconds, heldout=heldout, quick=quick,
-                       extra_args=f" --heads {num_heads}")
+    heldout = {
+        "top1_agreement_per_head": [heldout_agreement(held, opts["seq_len"], agreement(i)) for i in range(num_heads)]
+    }
+    heldout.update(
+        heldout_acceptance(
+            run.model_dir,
+            lambda loaded: MedusaProposer(loaded.model, heads=heads),
+            opts["eval_prompts"],
+            opts["eval_tokens"],
+        )
+    )
+    card = common_card(
+        run,
+        "medusa",
+        how=HOW,
+        lr=lr,
+        seed=seed,
+        chat_weight=chat_weight,
+        draft_vocab=cfg.draft_vocab,
+        history=history,
+        train_seconds=train_seconds,
+        heldout=heldout,
+        quick=quick,
+        extra_args=f" --heads {num_heads}",
+    )
     card["num_heads"] = num_heads
     save_head(heads, run.out, card)
     return json.loads((run.out / "card.json").read_text())

@@ -25,18 +25,39 @@ import numpy as np
 import torch
 
 from specdecode.errors import ConfigError
-from specdecode.train import data as data_mod
 from specdecode.networks.eagle_head import EagleHead, HeadConfig
 from specdecode.networks.storage import save_head
+from specdecode.train import data as data_mod
 from specdecode.train.eagle import head_loss
 
-QUICK = dict(n_generated=4, gen_tokens=24, n_chunks=6, chunk_chars=600, task_share=0.5, n_self_instruct=2, steps=20, batch=4, seq_len=32,
-             eval_prompts=2, eval_tokens=16)
+QUICK = dict(
+    n_generated=4,
+    gen_tokens=24,
+    n_chunks=6,
+    chunk_chars=600,
+    task_share=0.5,
+    n_self_instruct=2,
+    steps=20,
+    batch=4,
+    seq_len=32,
+    eval_prompts=2,
+    eval_tokens=16,
+)
 # The shipped drafters' shard: 2,400 answers to templated prompts (half of them tasks), 2,000 answers to
 # self-instructed prompts and 200 stdlib chunks.
-FULL = dict(n_generated=2400, gen_tokens=160, n_chunks=200, chunk_chars=1600, task_share=0.5, n_self_instruct=2000,
-            steps=1500, batch=8,
-            seq_len=256, eval_prompts=4, eval_tokens=64)
+FULL = dict(
+    n_generated=2400,
+    gen_tokens=160,
+    n_chunks=200,
+    chunk_chars=1600,
+    task_share=0.5,
+    n_self_instruct=2000,
+    steps=1500,
+    batch=8,
+    seq_len=256,
+    eval_prompts=4,
+    eval_tokens=64,
+)
 
 
 class Stream:
@@ -45,7 +66,11 @@ class Stream:
     def __init__(self, tensors: dict[str, torch.Tensor], heldout: bool, only: set[int] | None = None) -> None:
         offsets, held = tensors["offsets"].tolist(), tensors["heldout"].tolist()
         keep = [i for i in range(len(held)) if bool(held[i]) == heldout and (only is None or i in only)]
-        idx = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in keep]) if keep else torch.zeros(0, dtype=torch.long)
+        idx = (
+            torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in keep])
+            if keep
+            else torch.zeros(0, dtype=torch.long)
+        )
         self.tokens = tensors["tokens"][idx].long()
         self.features = tensors["features"][idx]
         starts = torch.zeros(len(idx), dtype=torch.bool)
@@ -99,10 +124,16 @@ def prepare_data(out: Path, model_dir: Path, opts: dict, seed: int, progress: bo
     t0 = time.perf_counter()
     if not data_path.exists():
         data_mod.build_dataset(
-            model_dir, data_path, n_generated=opts["n_generated"], gen_tokens=opts["gen_tokens"],
-            n_chunks=opts["n_chunks"], chunk_chars=opts["chunk_chars"], task_share=opts["task_share"],
+            model_dir,
+            data_path,
+            n_generated=opts["n_generated"],
+            gen_tokens=opts["gen_tokens"],
+            n_chunks=opts["n_chunks"],
+            chunk_chars=opts["chunk_chars"],
+            task_share=opts["task_share"],
             n_self_instruct=opts["n_self_instruct"],
-            seed=seed if opts.get("data_seed") is None else opts["data_seed"], progress=progress,
+            seed=seed if opts.get("data_seed") is None else opts["data_seed"],
+            progress=progress,
         )
     data_seconds = time.perf_counter() - t0
     tensors, summary = data_mod.load_dataset(data_path)
@@ -125,8 +156,9 @@ class Setup:
     eos: tuple[int, ...]
 
 
-def setup_run(out: str | Path, target: str | None, steps: int | None, seed: int, quick: bool, progress: bool,
-              overrides: dict) -> Setup:
+def setup_run(
+    out: str | Path, target: str | None, steps: int | None, seed: int, quick: bool, progress: bool, overrides: dict
+) -> Setup:
     """Options (QUICK or FULL, then ``overrides``), seeds, the data shard (built once) and the target."""
     from specdecode.models.loading import eos_token_ids, load_tokenizer, resolve_model_dir
     from specdecode.models.native import NativeCausalLM
@@ -143,8 +175,18 @@ def setup_run(out: str | Path, target: str | None, steps: int | None, seed: int,
     chat = Stream(tensors, heldout=False, only=set(range(summary.get("generated_sequences", 0))))
     target_model = NativeCausalLM.from_pretrained(model_dir, pack=False)
     eos = eos_token_ids(load_tokenizer(model_dir), target_model.config)
-    return Setup(opts, out, Path(model_dir), summary, data_seconds, Stream(tensors, heldout=False),
-                 Stream(tensors, heldout=True), chat, target_model, eos)
+    return Setup(
+        opts,
+        out,
+        Path(model_dir),
+        summary,
+        data_seconds,
+        Stream(tensors, heldout=False),
+        Stream(tensors, heldout=True),
+        chat,
+        target_model,
+        eos,
+    )
 
 
 def fit(
@@ -200,9 +242,18 @@ def fit(
         )
         if (step + 1) % checkpoint_every == 0 or step + 1 == steps or interrupted:
             # "head" names the trained module's state (kept so earlier checkpoints still resume).
-            torch.save({"head": module.state_dict(), "optim": optim.state_dict(), "step": step + 1,
-                        "history": history, "train_seconds": train_seconds + time.perf_counter() - t1,
-                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}, ckpt)
+            torch.save(
+                {
+                    "head": module.state_dict(),
+                    "optim": optim.state_dict(),
+                    "step": step + 1,
+                    "history": history,
+                    "train_seconds": train_seconds + time.perf_counter() - t1,
+                    "rng": rng.getstate(),
+                    "torch_rng": torch.get_rng_state(),
+                },
+                ckpt,
+            )
         if interrupted and step + 1 < steps:
             bar.close()
             print(f"stopped at step {step + 1}/{steps}; continue with --resume", flush=True)
@@ -256,7 +307,7 @@ def train_eagle(
         earlier, _ = load_head(init_from)
         state = {k: v for k, v in earlier.state_dict().items() if k != "vocab_ids"}
         head.load_state_dict(state, strict=False)
-    scale = float(train.features[: 200_000].float().pow(2).mean().sqrt())
+    scale = float(train.features[:200_000].float().pow(2).mean().sqrt())
     total = opts["steps"]
 
     def step_loss(rng: random.Random) -> tuple[torch.Tensor, dict[str, float]]:
@@ -265,9 +316,20 @@ def train_eagle(
         loss, reg, ce, agree = head_loss(head, feats, tokens, scale, noise=0.05, valid=valid, depth=unroll)
         return loss, {"reg": float(reg), "ce": float(ce), "top1": float(agree)}
 
-    done = fit(head, step_loss, run.out / "checkpoint.pt", steps=total, lr=lr, seed=seed, resume=resume,
-               checkpoint_every=checkpoint_every, stop_at=stop_at, max_minutes=max_minutes, progress=progress,
-               desc="train eagle")
+    done = fit(
+        head,
+        step_loss,
+        run.out / "checkpoint.pt",
+        steps=total,
+        lr=lr,
+        seed=seed,
+        resume=resume,
+        checkpoint_every=checkpoint_every,
+        stop_at=stop_at,
+        max_minutes=max_minutes,
+        progress=progress,
+        desc="train eagle",
+    )
     if done is None:
         return None
     history, train_seconds = done
@@ -276,14 +338,28 @@ def train_eagle(
         return float(head_loss(head, feats, tokens, scale, valid=valid)[3]), int(valid.sum())
 
     heldout = {"top1_agreement": heldout_agreement(held, opts["seq_len"], agreement)}
-    heldout.update(heldout_acceptance(run.model_dir, lambda loaded: EagleProposer(loaded.model, head=head),
-                                      opts["eval_prompts"], opts["eval_tokens"]))
+    heldout.update(
+        heldout_acceptance(
+            run.model_dir,
+            lambda loaded: EagleProposer(loaded.model, head=head),
+            opts["eval_prompts"],
+            opts["eval_tokens"],
+        )
+    )
     card = common_card(
-        run, "eagle", lr=lr, seed=seed, chat_weight=chat_weight, draft_vocab=cfg.draft_vocab, history=history,
-        train_seconds=train_seconds, heldout=heldout, quick=quick,
+        run,
+        "eagle",
+        lr=lr,
+        seed=seed,
+        chat_weight=chat_weight,
+        draft_vocab=cfg.draft_vocab,
+        history=history,
+        train_seconds=train_seconds,
+        heldout=heldout,
+        quick=quick,
         how="EAGLE-1 style head (fc over [norm(feature), norm(embedding)] + one Llama layer initialised from the "
-            "target's last layer), self-distilled: smooth-L1 on the target's pre-norm features + 0.1 x "
-            "cross-entropy vs the target's own next-token distribution over the draft vocabulary",
+        "target's last layer), self-distilled: smooth-L1 on the target's pre-norm features + 0.1 x "
+        "cross-entropy vs the target's own next-token distribution over the draft vocabulary",
         extra_args=f" --unroll {unroll}" + (f" --init-from {Path(init_from).name}" if init_from else ""),
     )
     card["init_from"] = None if init_from is None else Path(init_from).name
@@ -292,21 +368,36 @@ def train_eagle(
     return json.loads((run.out / "card.json").read_text())
 
 
-SOURCES = ("templated instructions and task prompts over the Python docs' prose, and user turns the target wrote "
-           "itself (self-instruct), answered greedily by the target; Python stdlib source chunks (plain and as chat "
-           "replies), teacher-forced")
+SOURCES = (
+    "templated instructions and task prompts over the Python docs' prose, and user turns the target wrote "
+    "itself (self-instruct), answered greedily by the target; Python stdlib source chunks (plain and as chat "
+    "replies), teacher-forced"
+)
 
 
 def common_card(
-    run: Setup, method: str, *, how: str, lr: float, seed: int, chat_weight: float, draft_vocab: int,
-    history: list, train_seconds: float, heldout: dict, quick: bool, extra_args: str = "",
+    run: Setup,
+    method: str,
+    *,
+    how: str,
+    lr: float,
+    seed: int,
+    chat_weight: float,
+    draft_vocab: int,
+    history: list,
+    train_seconds: float,
+    heldout: dict,
+    quick: bool,
+    extra_args: str = "",
 ) -> dict:
     """The card fields every trained drafter has; ``extra_args`` ends the reproduce command."""
     from specdecode.networks.storage import drafter_name
 
     o = run.opts
-    data_args = (f" --generated {o['n_generated']} --self-instruct {o['n_self_instruct']} --chunks {o['n_chunks']}"
-                 f" --task-share {o['task_share']}")
+    data_args = (
+        f" --generated {o['n_generated']} --self-instruct {o['n_self_instruct']} --chunks {o['n_chunks']}"
+        f" --task-share {o['task_share']}"
+    )
     if o.get("data_seed") is not None:
         data_args += f" --data-seed {o['data_seed']}"
     return {
@@ -327,9 +418,9 @@ def common_card(
         "final_train_loss": history[-1][1] if history else None,
         "heldout": heldout,
         "reproduce": f"specdecode train {method} --out {run.out.name} "
-                     f"--steps {o['steps']} --seed {seed} --batch {o['batch']} --seq-len {o['seq_len']} --lr {lr} "
-                     f"--draft-vocab {draft_vocab} --chat-weight {chat_weight}{data_args}{extra_args}"
-                     + (" --quick" if quick else ""),
+        f"--steps {o['steps']} --seed {seed} --batch {o['batch']} --seq-len {o['seq_len']} --lr {lr} "
+        f"--draft-vocab {draft_vocab} --chat-weight {chat_weight}{data_args}{extra_args}"
+        + (" --quick" if quick else ""),
     }
 
 
@@ -373,8 +464,13 @@ def heldout_acceptance(model_dir, make_proposer: Callable, prompts: int, max_new
         stats = decoder.generate(ids, GenerationConfig(max_new_tokens=max_new)).stats
         rounds += stats["target_calls"]
         tokens += round(stats["mean_accepted_length"] * stats["target_calls"])
-    return {"mean_accepted_length": round(tokens / max(rounds, 1), 3), "k": k, "prompts": prompts,
-            "max_new_tokens": max_new, "decoding": "greedy, chain"}
+    return {
+        "mean_accepted_length": round(tokens / max(rounds, 1), 3),
+        "k": k,
+        "prompts": prompts,
+        "max_new_tokens": max_new,
+        "decoding": "greedy, chain",
+    }
 
 
 def common_arguments(p: argparse.ArgumentParser, lr: float) -> None:
@@ -391,11 +487,19 @@ def common_arguments(p: argparse.ArgumentParser, lr: float) -> None:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--generated", type=int, default=None, help="templated prompts answered by the target")
-    p.add_argument("--self-instruct", type=int, default=None,
-                   help="prompts the target writes itself (Magpie-style), answered by the target")
+    p.add_argument(
+        "--self-instruct",
+        type=int,
+        default=None,
+        help="prompts the target writes itself (Magpie-style), answered by the target",
+    )
     p.add_argument("--chunks", type=int, default=None, help="stdlib source chunks")
-    p.add_argument("--task-share", type=float, default=None,
-                   help="share of generated prompts that are tasks over the Python docs (summaries, context QA, edits, arithmetic)")
+    p.add_argument(
+        "--task-share",
+        type=float,
+        default=None,
+        help="share of generated prompts that are tasks over the Python docs (summaries, context QA, edits, arithmetic)",
+    )
     p.add_argument("--data-seed", type=int, default=None, help="seed of the data build (default: --seed)")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--chat-weight", type=float, default=0.7, help="share of batches from the target's chat answers")
@@ -406,10 +510,22 @@ def common_options(args: argparse.Namespace) -> dict:
     """Keyword arguments of a ``train_*`` function from :func:`common_arguments`' options."""
     torch.set_num_threads(args.threads)
     return dict(
-        steps=args.steps, resume=args.resume, seed=args.seed, quick=args.quick, draft_vocab=args.draft_vocab,
-        lr=args.lr, checkpoint_every=args.checkpoint_every, batch=args.batch, seq_len=args.seq_len,
-        n_generated=args.generated, n_chunks=args.chunks, max_minutes=args.max_minutes, chat_weight=args.chat_weight,
-        task_share=args.task_share, data_seed=args.data_seed, n_self_instruct=args.self_instruct,
+        steps=args.steps,
+        resume=args.resume,
+        seed=args.seed,
+        quick=args.quick,
+        draft_vocab=args.draft_vocab,
+        lr=args.lr,
+        checkpoint_every=args.checkpoint_every,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        n_generated=args.generated,
+        n_chunks=args.chunks,
+        max_minutes=args.max_minutes,
+        chat_weight=args.chat_weight,
+        task_share=args.task_share,
+        data_seed=args.data_seed,
+        n_self_instruct=args.self_instruct,
     )
 
 
@@ -430,12 +546,18 @@ def main(argv: list[str]) -> int:
 
         return medusa_main(argv[1:])
     if not argv or argv[0] not in ("eagle",):
-        print("usage: specdecode train eagle|draft-model|medusa --out DIR [--target DIR] [--steps N] [--resume] [--seed S] [--quick]")
+        print(
+            "usage: specdecode train eagle|draft-model|medusa --out DIR [--target DIR] [--steps N] [--resume] [--seed S] [--quick]"
+        )
         return 2
-    p = argparse.ArgumentParser(prog="specdecode train eagle", description="Train an EAGLE draft head by self-distillation.")
+    p = argparse.ArgumentParser(
+        prog="specdecode train eagle", description="Train an EAGLE draft head by self-distillation."
+    )
     common_arguments(p, lr=5e-4)
     p.add_argument("--init-from", default=None, help="warm start from an earlier head folder")
     p.add_argument("--unroll", type=int, default=1, help="also train draft depths 2..N on the head's own predictions")
     args = p.parse_args(argv[1:])
-    return report(train_eagle(args.out, args.target, init_from=args.init_from, unroll=args.unroll,
-                              **common_options(args)), args.out)
+    return report(
+        train_eagle(args.out, args.target, init_from=args.init_from, unroll=args.unroll, **common_options(args)),
+        args.out,
+    )
