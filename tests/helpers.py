@@ -30,9 +30,15 @@ def tiny_llama(vocab: int = 6, seed: int = 0, layers: int = 2):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.5, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.5,
+        tie_word_embeddings=False,
     )
     return HFCausalLM(LlamaForCausalLM(config).eval())
 
@@ -61,9 +67,16 @@ def save_tiny_llama(path, seed: int = 0, layers: int = 2) -> None:
     tok = byte_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=True,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=True,
     )
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)

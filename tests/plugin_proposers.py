@@ -85,7 +85,15 @@ def next_token_factory(target):
     return NextTokenProposer(target.vocab_size)
 
 
-FIXED_Q = MethodSpec("plugin-fixed-q", "plugin_proposers:build_fixed_q", {"peak"},
-                     description="drafts from a fixed peaked q and reports it (exact)")
-WRONG_Q = MethodSpec("plugin-wrong-q", "plugin_proposers:build_wrong_q", {"peak"},
-                     description="drafts from a peaked q, reports a uniform q (broken)")
+FIXED_Q = MethodSpec(
+    "plugin-fixed-q",
+    "plugin_proposers:build_fixed_q",
+    {"peak"},
+    description="drafts from a fixed peaked q and reports it (exact)",
+)
+WRONG_Q = MethodSpec(
+    "plugin-wrong-q",
+    "plugin_proposers:build_wrong_q",
+    {"peak"},
+    description="drafts from a peaked q, reports a uniform q (broken)",
+)

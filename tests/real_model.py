@@ -46,5 +46,7 @@ def truncated_draft_dir(layers: int, root: str) -> Path:
 
 def chat_ids(loaded, prompt: str) -> list[int]:
     tok = loaded.tokenizer
-    enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     return list(enc["input_ids"])

@@ -71,7 +71,9 @@ def test_auto_runs_the_settings_the_card_was_measured_with(drafters, monkeypatch
     assert api.benchmarked_settings(TARGET, "eagle") == {"k": 6, "policy": "confidence", "confidence": 0.3}
     assert api.benchmarked_settings(TARGET, "medusa") == {}
     seen = {}
-    monkeypatch.setattr(api, "make_proposer", lambda method, target, draft, **o: seen.update(o, method=method) or object())
+    monkeypatch.setattr(
+        api, "make_proposer", lambda method, target, draft, **o: seen.update(o, method=method) or object()
+    )
     monkeypatch.setattr(api, "Decoder", lambda model, proposer, k, **o: seen.update(k=k, policy=o["policy"].name))
     loaded = api.LoadedModel(model=None, tokenizer=None, source=TARGET.source)
     auto = api.SpeculativeGenerator(loaded)
@@ -95,7 +97,9 @@ def test_auto_runs_the_hybrid_with_the_drafter_it_was_measured_with(drafters, mo
     assert best_method(TARGET) == "hybrid" and set(shipped_drafters(TARGET)) == {"medusa", "eagle"}
     assert api.best_drafter(TARGET) == "eagle"  # what the hybrid was measured with, not the best alone
     seen = {}
-    monkeypatch.setattr(api, "make_proposer", lambda method, target, draft, **o: seen.update(o, method=method) or object())
+    monkeypatch.setattr(
+        api, "make_proposer", lambda method, target, draft, **o: seen.update(o, method=method) or object()
+    )
     monkeypatch.setattr(api, "Decoder", lambda model, proposer, k, **o: seen.update(k=k, policy=o["policy"].name))
     api.SpeculativeGenerator(api.LoadedModel(model=None, tokenizer=None, source=TARGET.source))
     assert seen == {"method": "hybrid", "drafter": "eagle", "confidence_threshold": 0.3, "k": 4, "policy": "confidence"}

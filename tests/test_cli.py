@@ -47,14 +47,31 @@ def test_not_a_model_folder(tmp_path):
 
 def test_tiny_model_json_output(tmp_path):
     save_tiny_llama(tmp_path / "tiny")
-    proc = run_cli("generate", "abcabc", "--target", str(tmp_path / "tiny"), "--no-chat", "--json", "--max-new-tokens", "8")
+    proc = run_cli(
+        "generate", "abcabc", "--target", str(tmp_path / "tiny"), "--no-chat", "--json", "--max-new-tokens", "8"
+    )
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout)
     assert set(record) == {"text", "token_ids", "stats"}
-    for key in ("method", "k", "new_tokens", "target_calls", "drafted_tokens", "accepted_tokens",
-                "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
-                "accepted_length_histogram", "draft_s", "verify_s", "overhead_s", "ttft_s", "tpot_s",
-                "tokens_per_s", "peak_rss_mb"):
+    for key in (
+        "method",
+        "k",
+        "new_tokens",
+        "target_calls",
+        "drafted_tokens",
+        "accepted_tokens",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "per_position_acceptance",
+        "accepted_length_histogram",
+        "draft_s",
+        "verify_s",
+        "overhead_s",
+        "ttft_s",
+        "tpot_s",
+        "tokens_per_s",
+        "peak_rss_mb",
+    ):
         assert key in record["stats"], key
     assert record["stats"]["new_tokens"] == len(record["token_ids"]) <= 8
 

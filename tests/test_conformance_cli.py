@@ -85,14 +85,17 @@ def test_what_a_plugin_reference_may_name(registered):
             resolve(ref)
 
 
-@pytest.mark.parametrize("method, needle", [
-    ("eagle", "method 'eagle' needs trained weights"),
-    ("hybrid", "method 'hybrid' needs a trained drafter"),
-    ("xtok", "method 'xtok' needs a draft model"),
-    ("early-exit", "method 'early-exit' needs a real target model"),
-    ("none", "there is no proposer to certify"),
-    ("magic", "unknown method 'magic'"),
-])
+@pytest.mark.parametrize(
+    "method, needle",
+    [
+        ("eagle", "method 'eagle' needs trained weights"),
+        ("hybrid", "method 'hybrid' needs a trained drafter"),
+        ("xtok", "method 'xtok' needs a draft model"),
+        ("early-exit", "method 'early-exit' needs a real target model"),
+        ("none", "there is no proposer to certify"),
+        ("magic", "unknown method 'magic'"),
+    ],
+)
 def test_methods_that_cannot_build_on_the_tiny_target_are_one_error_line(method, needle, capsys):
     rc, out, err = run(capsys, "--method", method)
     assert rc == 2 and err.startswith("error: ") and needle in err and len(err.strip().splitlines()) == 1
@@ -103,12 +106,19 @@ def test_the_command_line_process():
     here = Path(__file__).resolve().parent
     paths = [str(here.parent / "src"), str(here), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
-    proc = subprocess.run([sys.executable, "-m", "specdecode.cli", "conformance", "--method", "medusa"],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdecode.cli", "conformance", "--method", "medusa"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == ("error: method 'medusa' needs trained weights for a real target, so it cannot be "
-                                   "built on the tiny conformance target; certify it in Python with "
-                                   "specdecode.testing.certify(proposer, target=...)")
+    assert proc.stderr.strip() == (
+        "error: method 'medusa' needs trained weights for a real target, so it cannot be "
+        "built on the tiny conformance target; certify it in Python with "
+        "specdecode.testing.certify(proposer, target=...)"
+    )
 
 
 def test_bad_numbers_are_refused_by_the_parser(capsys):

@@ -61,8 +61,14 @@ def offenders(layer: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
 
 
 def test_the_scan_sees_the_package():
-    assert {"specdecode.core.verify", "specdecode.models.native", "specdecode.networks.eagle_head",
-            "specdecode.proposers.eagle", "specdecode.api", "specdecode.train.trainer"} <= set(MODULES)
+    assert {
+        "specdecode.core.verify",
+        "specdecode.models.native",
+        "specdecode.networks.eagle_head",
+        "specdecode.proposers.eagle",
+        "specdecode.api",
+        "specdecode.train.trainer",
+    } <= set(MODULES)
     assert "specdecode.networks.storage" in MODULES["specdecode.proposers.eagle"]
 
 
@@ -86,15 +92,25 @@ def test_networks_import_only_core_models_and_errors():
 
 def test_only_entry_points_import_train():
     allowed = ("specdecode.train", "specdecode.cli", "specdecode.bench")
-    bad = {m: sorted(d for d in deps if within(d, "specdecode.train"))
-           for m, deps in MODULES.items() if not within(m, *allowed)}
+    bad = {
+        m: sorted(d for d in deps if within(d, "specdecode.train"))
+        for m, deps in MODULES.items()
+        if not within(m, *allowed)
+    }
     assert {m: d for m, d in bad.items() if d} == {}
 
 
 @pytest.mark.parametrize("layer", ["specdecode.proposers"])
 def test_proposers_never_import_entry_points_or_the_engine(layer):
-    forbidden = ("specdecode.engine", "specdecode.api", "specdecode.cli", "specdecode.bench", "specdecode.serve",
-                 "specdecode.builders", "specdecode.testing")
+    forbidden = (
+        "specdecode.engine",
+        "specdecode.api",
+        "specdecode.cli",
+        "specdecode.bench",
+        "specdecode.serve",
+        "specdecode.builders",
+        "specdecode.testing",
+    )
     bad = {m: sorted(d for d in deps if within(d, *forbidden)) for m, deps in MODULES.items() if within(m, layer)}
     assert {m: d for m, d in bad.items() if d} == {}
 

@@ -46,8 +46,9 @@ def test_register_a_plugin(plugin):
         register_method(plugin_proposers.FIXED_Q)
     with pytest.raises(ConfigError, match="already registered"):
         register_method(MethodSpec("ngram", "plugin_proposers:build_fixed_q"))
-    replaced = register_method(MethodSpec("plugin-fixed-q", "plugin_proposers:build_fixed_q", {"peak"}, confidence=True),
-                               replace=True)
+    replaced = register_method(
+        MethodSpec("plugin-fixed-q", "plugin_proposers:build_fixed_q", {"peak"}, confidence=True), replace=True
+    )
     assert method_spec("plugin-fixed-q") is replaced and "plugin-fixed-q" in methods.CONFIDENCE_METHODS
 
 
@@ -59,13 +60,16 @@ def test_unregister():
         unregister_method("plugin-tmp")
 
 
-@pytest.mark.parametrize("name, builder, options, needle", [
-    ("Mine", "m:f", (), "lower-case"),
-    ("a+tree", "m:f", (), "lower-case"),
-    ("mine", "no_colon", (), "'module:function'"),
-    ("mine", "m:", (), "'module:function'"),
-    ("mine", "m:f", "peak", "set of names"),
-])
+@pytest.mark.parametrize(
+    "name, builder, options, needle",
+    [
+        ("Mine", "m:f", (), "lower-case"),
+        ("a+tree", "m:f", (), "lower-case"),
+        ("mine", "no_colon", (), "'module:function'"),
+        ("mine", "m:", (), "'module:function'"),
+        ("mine", "m:f", "peak", "set of names"),
+    ],
+)
 def test_malformed_specs_are_refused(name, builder, options, needle):
     with pytest.raises(ConfigError, match=needle):
         MethodSpec(name, builder, options)
@@ -74,8 +78,8 @@ def test_malformed_specs_are_refused(name, builder, options, needle):
 
 
 def test_make_proposer_dispatches_through_the_registry(plugin):
-    from specdecode.models.loading import LoadedModel
     from helpers import MarkovLM
+    from specdecode.models.loading import LoadedModel
 
     assert make_proposer("ngram", None, max_ngram=2).max_ngram == 2
     assert make_proposer("lookahead", None, window=3).window_size == 3
@@ -85,15 +89,26 @@ def test_make_proposer_dispatches_through_the_registry(plugin):
     assert proposer.name == "fixed-q" and float(proposer.q[0]) == pytest.approx(0.6)
 
 
-@pytest.mark.parametrize("method, options, needle", [
-    ("ngram", {"max_ngrm": 2}, r"method 'ngram' does not take option 'max_ngrm' \(did you mean 'max_ngram'\?\); "
-                               r"it accepts: max_ngram, min_ngram"),
-    ("suffix", {"depth": 3, "use_corpus": False}, r"'depth'.*it accepts: corpus, count_depth, max_depth"),
-    ("lookahead", {"windows": 3}, r"'windows'.*it accepts: max_per_key, ngram, window"),
-    ("none", {"k": 3}, r"method 'none' does not take option 'k'; it accepts: none"),
-    ("hybrid", {"min_mach": 2}, r"method 'hybrid' does not take option 'min_mach'.*min_match"),
-    ("eagle", {"confidence": 0.3, "brnch": 2}, r"options 'brnch', 'confidence'.*it accepts: branch, confidence_threshold, path"),
-])
+@pytest.mark.parametrize(
+    "method, options, needle",
+    [
+        (
+            "ngram",
+            {"max_ngrm": 2},
+            r"method 'ngram' does not take option 'max_ngrm' \(did you mean 'max_ngram'\?\); "
+            r"it accepts: max_ngram, min_ngram",
+        ),
+        ("suffix", {"depth": 3, "use_corpus": False}, r"'depth'.*it accepts: corpus, count_depth, max_depth"),
+        ("lookahead", {"windows": 3}, r"'windows'.*it accepts: max_per_key, ngram, window"),
+        ("none", {"k": 3}, r"method 'none' does not take option 'k'; it accepts: none"),
+        ("hybrid", {"min_mach": 2}, r"method 'hybrid' does not take option 'min_mach'.*min_match"),
+        (
+            "eagle",
+            {"confidence": 0.3, "brnch": 2},
+            r"options 'brnch', 'confidence'.*it accepts: branch, confidence_threshold, path",
+        ),
+    ],
+)
 def test_a_misspelt_option_is_a_config_error_naming_it(method, options, needle):
     with pytest.raises(ConfigError, match=needle):
         make_proposer(method, None, **options)
@@ -128,13 +143,19 @@ def test_built_in_options_match_the_proposers():
 
     draft_model = keywords(DraftModelProposer)
     expected = {
-        "ngram": keywords(NgramProposer), "suffix": keywords(SuffixProposer), "lookahead": keywords(LookaheadProposer),
-        "draft": draft_model | {"dtype"}, "xtok": keywords(CrossTokenizerProposer) | {"dtype"},
+        "ngram": keywords(NgramProposer),
+        "suffix": keywords(SuffixProposer),
+        "lookahead": keywords(LookaheadProposer),
+        "draft": draft_model | {"dtype"},
+        "xtok": keywords(CrossTokenizerProposer) | {"dtype"},
         "early-exit": keywords(EarlyExitProposer) | draft_model,  # the rest of its options go to DraftModelProposer
-        "eagle": keywords(EagleProposer, skip={"head"}), "medusa": keywords(MedusaProposer, skip={"heads"}),
+        "eagle": keywords(EagleProposer, skip={"head"}),
+        "medusa": keywords(MedusaProposer, skip={"heads"}),
         "none": set(),
     }
-    expected["hybrid"] = {"min_match", "max_ngram", "drafter"} | expected["eagle"] | expected["medusa"] | expected["draft"]
+    expected["hybrid"] = (
+        {"min_match", "max_ngram", "drafter"} | expected["eagle"] | expected["medusa"] | expected["draft"]
+    )
     for name, options in expected.items():
         assert method_spec(name).options == options, name
     assert method_spec("auto").options is None  # forwarded to the method auto picks

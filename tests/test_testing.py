@@ -41,8 +41,16 @@ def test_ngram_passes_on_chains_and_trees():
     report = certify(NgramProposer(), samples=1000)
     assert report.passed, report.table()
     names = [c.name for c in report.cases]
-    assert names == ["chain t=1.0", "chain t=0.7 top_k=3", "chain t=1.3 top_p=0.8", "chain greedy identity",
-                     "tree t=1.0", "tree t=0.7 top_k=3", "tree t=1.3 top_p=0.8", "tree greedy identity"]
+    assert names == [
+        "chain t=1.0",
+        "chain t=0.7 top_k=3",
+        "chain t=1.3 top_p=0.8",
+        "chain greedy identity",
+        "tree t=1.0",
+        "tree t=0.7 top_k=3",
+        "tree t=1.3 top_p=0.8",
+        "tree greedy identity",
+    ]
     assert all(c.pvalue is not None for c in report.cases if "greedy" not in c.name)
     assert report.table().splitlines()[-1] == "8 passed, 0 failed"
 

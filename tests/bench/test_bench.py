@@ -64,9 +64,26 @@ def bench_run(models, tmp_path_factory):
     root = tmp_path_factory.mktemp("bench-run")
     workload = write_jsonl(root / "work.jsonl", WORKLOAD)
     out = root / "out"
-    argv = ["bench", "--workload", str(workload), "--out", str(out), "--target", str(models / "target"),
-            "--draft", str(models / "draft"), "--methods", "none,ngram,draft", "--k", "2,auto",
-            "--temperatures", "0,0.7", "--max-new-tokens", "8", "--no-hf"]
+    argv = [
+        "bench",
+        "--workload",
+        str(workload),
+        "--out",
+        str(out),
+        "--target",
+        str(models / "target"),
+        "--draft",
+        str(models / "draft"),
+        "--methods",
+        "none,ngram,draft",
+        "--k",
+        "2,auto",
+        "--temperatures",
+        "0,0.7",
+        "--max-new-tokens",
+        "8",
+        "--no-hf",
+    ]
     rc, stdout, stderr = run_cli(argv)
     assert rc == 0, stderr
     return {"out": out, "argv": argv, "stdout": stdout, "stderr": stderr, "workload": workload}
@@ -74,8 +91,15 @@ def bench_run(models, tmp_path_factory):
 
 def test_bench_writes_well_formed_outputs(bench_run):
     out = bench_run["out"]
-    for name in ("results.json", "summary.md", "report.html", "cells.jsonl", "speedup_by_category.png",
-                 "acceptance_by_position.png", "speedup_vs_k.png"):
+    for name in (
+        "results.json",
+        "summary.md",
+        "report.html",
+        "cells.jsonl",
+        "speedup_by_category.png",
+        "acceptance_by_position.png",
+        "speedup_vs_k.png",
+    ):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     for png in out.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -155,9 +179,23 @@ def test_bench_resumes_finished_cells(bench_run, tmp_path):
 
 def test_bench_with_hf_generate(models, tmp_path):
     workload = write_jsonl(tmp_path / "w.jsonl", WORKLOAD[:1])
-    rc, stdout, stderr = run_cli(["bench", "--workload", str(workload), "--out", str(tmp_path / "out"),
-                                  "--target", str(models / "target"), "--methods", "ngram", "--k", "3",
-                                  "--max-new-tokens", "8"])
+    rc, stdout, stderr = run_cli(
+        [
+            "bench",
+            "--workload",
+            str(workload),
+            "--out",
+            str(tmp_path / "out"),
+            "--target",
+            str(models / "target"),
+            "--methods",
+            "ngram",
+            "--k",
+            "3",
+            "--max-new-tokens",
+            "8",
+        ]
+    )
     assert rc == 0, stderr
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     hf = [r for r in results["records"] if r["method"] == "hf"]
@@ -215,11 +253,13 @@ def test_bad_input_is_a_one_line_error(tmp_path, rows, extra, message):
 
 
 def test_workload_parsing_and_selection(tmp_path):
-    rows = [{"question_id": 81, "category": "writing", "turns": ["w1", "w2"]},
-            {"question_id": 82, "category": "coding", "turns": ["c1"]},
-            {"question_id": 161, "category": "translation", "turns": ["t1"]},
-            {"category": "mine", "prompt": "p1"},
-            {"category": "mine", "prompt": "p2"}]
+    rows = [
+        {"question_id": 81, "category": "writing", "turns": ["w1", "w2"]},
+        {"question_id": 82, "category": "coding", "turns": ["c1"]},
+        {"question_id": 161, "category": "translation", "turns": ["t1"]},
+        {"category": "mine", "prompt": "p1"},
+        {"category": "mine", "prompt": "p2"},
+    ]
     items = load_workload(write_jsonl(tmp_path / "w.jsonl", rows))
     assert [i.group for i in items] == ["mt_bench", "mt_bench", "translation", "mine", "mine"]
     assert items[0].prompt == "w1" and items[3].id == "L4"
@@ -234,14 +274,28 @@ def test_report_renders_in_headless_chromium(bench_run, tmp_path):
     if CHROMIUM is None:
         pytest.skip("chromium not installed (`make browser` installs it)")
     shot = tmp_path / "report.png"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
-           "--window-size=1280,2400", f"--screenshot={shot}", (bench_run["out"] / "report.html").resolve().as_uri()]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--window-size=1280,2400",
+        f"--screenshot={shot}",
+        (bench_run["out"] / "report.html").resolve().as_uri(),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    problems = [line for line in proc.stderr.splitlines()
-                if ":CONSOLE" in line or "Uncaught" in line or "net::ERR" in line]
+    problems = [
+        line for line in proc.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line or "net::ERR" in line
+    ]
     assert not problems, problems
     assert shot.is_file() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     keep = Path(bench_run["out"]) / "report-screenshot.png"
@@ -252,9 +306,19 @@ def test_advise_never_recommends_a_cell_without_accepted_drafts():
     from specdecode.bench.advise import recommend
 
     def row(k, speedup, mal, acc):
-        return {"cell": f"ngram|k={k}|T=0", "method": "ngram", "k": k, "temperature": 0.0, "category": "qa",
-                "prompts": 5, "speedup": speedup, "predicted_speedup": 1.0, "mean_accepted_length": mal,
-                "acceptance_rate": acc, "mean_k": None}
+        return {
+            "cell": f"ngram|k={k}|T=0",
+            "method": "ngram",
+            "k": k,
+            "temperature": 0.0,
+            "category": "qa",
+            "prompts": 5,
+            "speedup": speedup,
+            "predicted_speedup": 1.0,
+            "mean_accepted_length": mal,
+            "acceptance_rate": acc,
+            "mean_k": None,
+        }
 
     noise = {"categories": ["qa"], "aggregates": [row(2, 1.4, 1.0, 0.0), row(4, 0.9, 1.0, 0.0)]}
     (qa, _) = recommend(noise)

@@ -12,18 +12,40 @@ from specdecode.errors import InputError
 
 
 def row(method: str, k, category: str, speedup: float, mal: float) -> dict:
-    return {"cell": f"{method}|k={k}|T=0", "method": method, "k": k, "temperature": 0.0, "category": category,
-            "speedup": speedup, "mean_accepted_length": mal}
+    return {
+        "cell": f"{method}|k={k}|T=0",
+        "method": method,
+        "k": k,
+        "temperature": 0.0,
+        "category": category,
+        "speedup": speedup,
+        "mean_accepted_length": mal,
+    }
 
 
 def results() -> dict:
     rows = []
-    for method, k, speedups in [("none", 0, (1.0, 1.0)), ("ngram", 4, (1.2, 1.4)), ("eagle", 4, (0.9, 1.1)),
-                                ("eagle+conf", 4, (1.3, 1.1)), ("eagle+tree", 4, (0.8, 0.7)), ("medusa", 4, (0.95, 1.0))]:
+    for method, k, speedups in [
+        ("none", 0, (1.0, 1.0)),
+        ("ngram", 4, (1.2, 1.4)),
+        ("eagle", 4, (0.9, 1.1)),
+        ("eagle+conf", 4, (1.3, 1.1)),
+        ("eagle+tree", 4, (0.8, 0.7)),
+        ("medusa", 4, (0.95, 1.0)),
+    ]:
         rows += [row(method, k, "overall", speedups[0], 1.5), row(method, k, "qa", speedups[1], 1.6)]
-    return {"config": {"target": "/models/Tiny-Chat.Q4_1-abc", "workload": "/w/spec_bench.jsonl", "dtype": "float32",
-                       "prompts_per_category": 2, "max_new_tokens": 96, "confidence": 0.4},
-            "command": ["specdecode", "bench", "--methods", "none,ngram,eagle,eagle+conf"], "aggregates": rows}
+    return {
+        "config": {
+            "target": "/models/Tiny-Chat.Q4_1-abc",
+            "workload": "/w/spec_bench.jsonl",
+            "dtype": "float32",
+            "prompts_per_category": 2,
+            "max_new_tokens": 96,
+            "confidence": 0.4,
+        },
+        "command": ["specdecode", "bench", "--methods", "none,ngram,eagle,eagle+conf"],
+        "aggregates": rows,
+    }
 
 
 def test_best_chain_cell_and_its_settings_are_recorded():
@@ -55,8 +77,12 @@ def test_hybrid_gets_a_card_of_its_own_with_the_drafter_it_ran(tmp_path):
     run = results()
     run["aggregates"] += [row("hybrid+conf", 4, "overall", 1.35, 1.7), row("hybrid+conf", 4, "qa", 1.5, 1.9)]
     run["config"]["hybrid_drafter"] = "medusa"
-    assert benchmark_blocks(run)["hybrid"]["settings"] == {"k": 4, "policy": "confidence", "confidence": 0.4,
-                                                            "drafter": "medusa"}
+    assert benchmark_blocks(run)["hybrid"]["settings"] == {
+        "k": 4,
+        "policy": "confidence",
+        "confidence": 0.4,
+        "drafter": "medusa",
+    }
     (tmp_path / "results.json").write_text(json.dumps(run))
     written = record(tmp_path / "results.json", tmp_path / "drafters")
     card = json.loads((tmp_path / "drafters" / "tiny-chat" / "hybrid" / "card.json").read_text())

@@ -6,7 +6,13 @@ import pytest
 
 from helpers import tiny_native
 from specdecode.bench.decode import (
-    BATCH_SIZES, K_VALUES, Prompt, _curve_models, agreement, batch_throughput, forward_curve,
+    BATCH_SIZES,
+    K_VALUES,
+    Prompt,
+    _curve_models,
+    agreement,
+    batch_throughput,
+    forward_curve,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")

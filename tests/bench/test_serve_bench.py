@@ -15,8 +15,17 @@ import torch
 
 from helpers import save_tiny_llama, tiny_native
 from specdecode.bench.serve import (
-    BatchTableK, LoadRequest, Progress, Trace, _engine_class, closed_loop, open_loop, parse_arm, parse_k_table,
-    poisson_arrivals, sample_items,
+    BatchTableK,
+    LoadRequest,
+    Progress,
+    Trace,
+    _engine_class,
+    closed_loop,
+    open_loop,
+    parse_arm,
+    parse_k_table,
+    poisson_arrivals,
+    sample_items,
 )
 from specdecode.bench.serve_report import distribution, evaluate_targets, percentile
 from specdecode.bench.workload import WorkItem
@@ -217,12 +226,26 @@ def test_sample_mixes_categories_and_repeats():
 
 def test_targets_are_computed_not_assumed():
     def cell(arm, c, tok_s, tpot, method="m", fixed=False):
-        return {"arm": arm, "method": "none" if arm == "none" else method, "fixed_k": fixed, "mode": "closed",
-                "concurrency": c, "temperature": 0.0, "load": {"label": f"c={c}"}, "output_tok_s": tok_s,
-                "tpot_ms": {"p50": tpot}}
+        return {
+            "arm": arm,
+            "method": "none" if arm == "none" else method,
+            "fixed_k": fixed,
+            "mode": "closed",
+            "concurrency": c,
+            "temperature": 0.0,
+            "load": {"label": f"c={c}"},
+            "output_tok_s": tok_s,
+            "tpot_ms": {"p50": tpot},
+        }
 
-    cells = [cell("none", 1, 10, 100), cell("auto", 1, 14.6, 65), cell("best", 1, 15, 60, fixed=True),
-             cell("none", 16, 50, 300), cell("auto", 16, 49, 310), cell("best", 16, 40, 400, fixed=True)]
+    cells = [
+        cell("none", 1, 10, 100),
+        cell("auto", 1, 14.6, 65),
+        cell("best", 1, 15, 60, fixed=True),
+        cell("none", 16, 50, 300),
+        cell("auto", 16, 49, 310),
+        cell("best", 16, 40, 400, fixed=True),
+    ]
     t = evaluate_targets(cells)
     assert t["auto_tpot_c1_le_0.7x_plain"]["met"] is True
     checks = t["auto_tok_s_ge_0.97x_best_of_plain_and_fixed_k"]["checks"]
@@ -239,9 +262,24 @@ def tiny_run(tmp_path_factory):
     workload = root / "work.jsonl"
     workload.write_text("\n".join(json.dumps(r) for r in WORKLOAD) + "\n")
     out = root / "out"
-    argv = ["bench-serve", "--quick", "--target", str(root / "target"), "--workload", str(workload),
-            "--out", str(out), "--methods", "none,ngram,auto,table", "--concurrency", "1,4", "--arrival-rate", "40",
-            "--max-new-tokens", "12"]
+    argv = [
+        "bench-serve",
+        "--quick",
+        "--target",
+        str(root / "target"),
+        "--workload",
+        str(workload),
+        "--out",
+        str(out),
+        "--methods",
+        "none,ngram,auto,table",
+        "--concurrency",
+        "1,4",
+        "--arrival-rate",
+        "40",
+        "--max-new-tokens",
+        "12",
+    ]
     rc, stdout, stderr = run_cli(argv)
     assert rc == 0, stderr
     return {"out": out, "stdout": stdout}
@@ -249,8 +287,16 @@ def tiny_run(tmp_path_factory):
 
 def test_quick_sweep_writes_every_output_and_ends_with_one_json_line(tiny_run):
     out = tiny_run["out"]
-    for name in ("results.json", "summary.md", "report.html", "tok_s_vs_concurrency.png", "tpot_vs_concurrency.png",
-                 "k_vs_batch.png", "tok_s_vs_rate.png", "tpot_vs_rate.png"):
+    for name in (
+        "results.json",
+        "summary.md",
+        "report.html",
+        "tok_s_vs_concurrency.png",
+        "tpot_vs_concurrency.png",
+        "k_vs_batch.png",
+        "tok_s_vs_rate.png",
+        "tpot_vs_rate.png",
+    ):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     for png in out.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -267,8 +313,11 @@ def test_quick_sweep_writes_every_output_and_ends_with_one_json_line(tiny_run):
             assert c["in_flight"]["max"] == c["concurrency"]
         if c["method"] != "none":
             assert c["engine"]["k_by_batch_size"] and c["vs_plain"]["output_tok_s"] > 0
-    assert set(results["targets"]) == {"auto_tpot_c1_le_0.7x_plain", "auto_tok_s_ge_0.97x_best_of_plain_and_fixed_k",
-                                       "auto_ge_plain_at_c_ge_16"}
+    assert set(results["targets"]) == {
+        "auto_tpot_c1_le_0.7x_plain",
+        "auto_tok_s_ge_0.97x_best_of_plain_and_fixed_k",
+        "auto_ge_plain_at_c_ge_16",
+    }
     assert results["targets"]["auto_ge_plain_at_c_ge_16"]["met"] is None  # no concurrency >= 16 in this run
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 5 and "<script" not in page.lower()
@@ -284,11 +333,22 @@ def test_quick_sweep_writes_every_output_and_ends_with_one_json_line(tiny_run):
     assert "bench-serve, T=0" in tiny_run["stdout"]  # the human-readable table precedes the JSON line
 
 
-@pytest.mark.parametrize("argv", [
-    ["--concurrency", "0"], ["--concurrency", "2,x"], ["--arrival-rate", "-1"], ["--methods", "bogus"],
-    ["--methods", "xtok"], ["--k-table", "8:2,2:4"], ["--temperatures", "warm"], ["--requests", "0"],
-    ["--max-new-tokens", "0"], ["--no-such-flag"], ["--k", "two"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--concurrency", "0"],
+        ["--concurrency", "2,x"],
+        ["--arrival-rate", "-1"],
+        ["--methods", "bogus"],
+        ["--methods", "xtok"],
+        ["--k-table", "8:2,2:4"],
+        ["--temperatures", "warm"],
+        ["--requests", "0"],
+        ["--max-new-tokens", "0"],
+        ["--no-such-flag"],
+        ["--k", "two"],
+    ],
+)
 def test_bad_options_are_one_error_line(argv, tmp_path):
     rc, stdout, stderr = run_cli(["bench-serve", "--out", str(tmp_path / "o"), *argv])
     assert rc == 2 and not stdout
@@ -306,9 +366,25 @@ def test_real_model_best_auto_and_table_cells_run(tmp_path):
 
     target = default_target()
     best = best_method(target)
-    argv = ["bench-serve", "--out", str(tmp_path / "o"), "--methods", "none,best,auto,table", "--concurrency", "2",
-            "--requests", "2", "--max-new-tokens", "8", "--max-prompt-tokens", "64", "--temperatures", "0",
-            "--threads", "1"]
+    argv = [
+        "bench-serve",
+        "--out",
+        str(tmp_path / "o"),
+        "--methods",
+        "none,best,auto,table",
+        "--concurrency",
+        "2",
+        "--requests",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--max-prompt-tokens",
+        "64",
+        "--temperatures",
+        "0",
+        "--threads",
+        "1",
+    ]
     rc, _, stderr = run_cli(argv)
     assert rc == 0, stderr
     results = json.loads((tmp_path / "o" / "results.json").read_text())

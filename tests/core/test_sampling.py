@@ -46,7 +46,9 @@ def test_batched_shapes_preserved():
     assert logits_to_probs(logits, SamplingConfig(temperature=1.0, top_k=3, top_p=0.9)).shape == (2, 3, 7)
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=1.0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=1.0)]
+)
 def test_bad_settings_raise_clear_errors(kwargs):
     with pytest.raises(ConfigError):
         SamplingConfig(**kwargs)

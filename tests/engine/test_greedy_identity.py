@@ -33,7 +33,12 @@ def tiny_models():
 def test_tiny_models_all_k(kind, k, tiny_models):
     target, draft = tiny_models[kind]
     expected = plain(target, PROMPT)
-    for proposer in (NgramProposer(), DraftModelProposer(draft), DraftModelProposer(target), *_native_only(kind, target)):
+    for proposer in (
+        NgramProposer(),
+        DraftModelProposer(draft),
+        DraftModelProposer(target),
+        *_native_only(kind, target),
+    ):
         out = Decoder(target, proposer, k=k).generate(PROMPT, GREEDY)
         assert out.token_ids == expected, proposer.name
     if kind != "llama":  # trees need attention masks: the table model and the native backend

@@ -40,7 +40,9 @@ def byte_ids(tok, data: bytes) -> list[int]:
     return [tok.convert_tokens_to_ids(BYTE_CHARS[b]) for b in data]
 
 
-def tracker(tok, max_new_tokens: int = 10_000, stops: tuple[str, ...] = (), eos: tuple[int, ...] = (EOS,)) -> OutputTracker:
+def tracker(
+    tok, max_new_tokens: int = 10_000, stops: tuple[str, ...] = (), eos: tuple[int, ...] = (EOS,)
+) -> OutputTracker:
     return OutputTracker(tok, frozenset(eos), GenerationConfig(max_new_tokens=max_new_tokens, stop_strings=stops))
 
 
@@ -82,7 +84,9 @@ def check_random_sequences(tok, seed: int, cases: int) -> None:
         want = expected_text(tok, out.token_ids, stops)
         assert out.finished and out.text == want, (case, ids, stops, rounds)
         assert "".join(pieces) == want, (case, ids, stops, rounds)
-        assert out.finish_reason == ("stop" if len(want) < len(tok.decode(out.token_ids, skip_special_tokens=True)) else "length")
+        assert out.finish_reason == (
+            "stop" if len(want) < len(tok.decode(out.token_ids, skip_special_tokens=True)) else "length"
+        )
 
 
 def test_text_equals_whole_decode_for_random_sequences(tok):

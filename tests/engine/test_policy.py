@@ -38,7 +38,9 @@ def test_prediction_from_synthetic_timings():
 
 def test_cost_table_interpolates():
     table = {1: 0.010, 5: 0.014}
-    assert predict_tokens_per_s(2, [1.0, 1.0], 0.0, table) == pytest.approx(3 / 0.012)  # c(3) halfway between c(1) and c(5)
+    assert predict_tokens_per_s(2, [1.0, 1.0], 0.0, table) == pytest.approx(
+        3 / 0.012
+    )  # c(3) halfway between c(1) and c(5)
 
 
 def test_best_k_is_zero_when_drafts_are_useless_and_large_when_good():
@@ -99,9 +101,9 @@ def test_auto_in_the_decode_loop_goes_to_zero_then_recovers():
     out = Decoder(target, proposer, policy=policy).generate([1, 2, 3], GenerationConfig(max_new_tokens=150))
     ks = out.stats["k_history"]
     assert out.stats["policy"] == "auto"
-    assert 0 in ks, ks                     # switched itself off with the random draft
+    assert 0 in ks, ks  # switched itself off with the random draft
     first_off = ks.index(0)
-    assert max(ks[first_off:]) >= 4, ks    # and came back on once the draft was good
+    assert max(ks[first_off:]) >= 4, ks  # and came back on once the draft was good
     plain = Decoder(target, None).generate([1, 2, 3], GenerationConfig(max_new_tokens=150))
     assert out.token_ids == plain.token_ids
 
@@ -117,7 +119,9 @@ def test_shadow_mode_records_acceptance_without_speculating():
     assert shadow.stats["shadow_acceptance_rate"] == 1.0  # a self-draft would be fully accepted
     assert shadow.stats["shadow_mean_accepted_length"] == pytest.approx(4.0, abs=0.5)
     spec = Decoder(target, DraftModelProposer(tiny_llama(vocab=6, seed=9)), k=3).generate([1, 2, 3], cfg)
-    shadow_bad = Decoder(target, DraftModelProposer(tiny_llama(vocab=6, seed=9)), k=3, shadow=True).generate([1, 2, 3], cfg)
+    shadow_bad = Decoder(target, DraftModelProposer(tiny_llama(vocab=6, seed=9)), k=3, shadow=True).generate(
+        [1, 2, 3], cfg
+    )
     # greedy shadow rounds are exactly the speculative rounds
     assert shadow_bad.stats["shadow_acceptance_rate"] == pytest.approx(spec.stats["acceptance_rate"], abs=0.1)
 

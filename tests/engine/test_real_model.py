@@ -56,7 +56,7 @@ def test_plain_decoding_matches_transformers_generate(target, plain_outputs):
     for prompt, expected in list(zip(PROMPTS, plain_outputs))[:3]:
         ids = torch.tensor([chat_ids(target, prompt)])
         out = hf.generate(ids, max_new_tokens=32, do_sample=False)
-        assert out[0, ids.shape[1]:].tolist() == expected
+        assert out[0, ids.shape[1] :].tolist() == expected
 
 
 def test_sampling_with_seed_is_reproducible(target):

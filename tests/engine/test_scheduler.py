@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import ALPHA, chi_square_pvalue, sequence_law, tiny_llama, tiny_native
-from specdecode.core.sampling import SamplingConfig, logits_to_probs
+from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, Engine, EngineConfig, GenerationConfig, Speculation, TreeConfig
 from specdecode.engine.planner import Candidate, ForwardCosts, plan
 from specdecode.engine.policy import make_policy
@@ -70,8 +70,17 @@ def mixed_specs(target, draft) -> list[Speculation]:
 
 def test_mixed_speculation_in_one_batch_is_greedy_identical():
     target, draft = tiny_native(vocab=8, seed=5, layers=3), tiny_native(vocab=8, seed=6, layers=1)
-    ps = [[1, 2, 3, 4, 1, 2, 3, 0, 1, 2], [5, 6, 5, 6, 5], [7], [3, 3, 1, 2, 3, 3, 1], [0, 1, 2, 3], [2, 4, 2, 4, 2, 4],
-          [6, 1, 6, 1], [1, 1, 2, 2], [3, 4, 5]]
+    ps = [
+        [1, 2, 3, 4, 1, 2, 3, 0, 1, 2],
+        [5, 6, 5, 6, 5],
+        [7],
+        [3, 3, 1, 2, 3, 3, 1],
+        [0, 1, 2, 3],
+        [2, 4, 2, 4, 2, 4],
+        [6, 1, 6, 1],
+        [1, 1, 2, 2],
+        [3, 4, 5],
+    ]
     specs = mixed_specs(target, draft)
     expected = [alone(target, p, 24) for p in ps]
     engine = Engine(target)
@@ -89,7 +98,7 @@ def test_mixed_speculation_in_one_batch_is_greedy_identical():
 
 
 def test_batched_drafting_matches_drafting_alone():
-    target, draft = tiny_native(vocab=8, seed=5, layers=2), tiny_native(vocab=8, seed=6, layers=1)
+    draft = tiny_native(vocab=8, seed=6, layers=1)
     proto = DraftModelProposer(draft, confidence_threshold=0.2)
     contexts = [[1, 2, 3], [4, 5, 6, 7, 1], [2]]
     sampling = [SamplingConfig(), SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3)]
@@ -205,8 +214,10 @@ def _batched_pvalue(proposer_cls) -> float:
     others = [
         (GenerationConfig(max_new_tokens=5), Speculation(NgramProposer(), k=3)),
         (GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(temperature=0.6)), Speculation()),
-        (GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(temperature=1.4)),
-         Speculation(NgramProposer(), policy=make_policy("auto", 4))),
+        (
+            GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(temperature=1.4)),
+            Speculation(NgramProposer(), policy=make_policy("auto", 4)),
+        ),
     ]
     engine = Engine(target, config=EngineConfig(max_batch=96))
     mine = []

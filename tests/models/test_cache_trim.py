@@ -39,8 +39,13 @@ def test_cache_that_cannot_trim_is_refused_up_front():
     from specdecode.models.hf import HFCausalLM
 
     config = MistralConfig(
-        vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, sliding_window=4,
+        vocab_size=8,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=4,
     )
     model = HFCausalLM(MistralForCausalLM(config))
     with pytest.raises(ModelLoadError, match="cannot be trimmed"):

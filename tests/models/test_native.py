@@ -30,13 +30,19 @@ def _mistral(**kw):
 
 
 LLAMA3_ROPE = {
-    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 16,  # small: every band is scaled
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # small: every band is scaled
 }
 CASES = {
     "llama-tied-gqa-llama3": lambda: _llama(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
     "llama-untied-bias-linear": lambda: _llama(
-        tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        mlp_bias=True,
         rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
     ),
     "llama-mha-dynamic": lambda: _llama(
@@ -51,8 +57,14 @@ def make_checkpoint(tmp_path, case: str, seed: int = 0):
     """Save a tiny random transformers model of ``case``; return (folder, transformers model)."""
     config_cls, model_cls, kw = CASES[case]()
     base = dict(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.2,
     )
     base.update(kw)
     torch.manual_seed(seed)
@@ -80,7 +92,7 @@ def chunked(native: NativeCausalLM, ids: torch.Tensor, sizes: list[int]) -> torc
     cache = native.new_cache(ids.shape[1])
     out, at = [], 0
     for n in sizes:
-        out.append(native.forward(ids[:, at:at + n], cache))
+        out.append(native.forward(ids[:, at : at + n], cache))
         at += n
     assert cache.length == ids.shape[1]
     return torch.cat(out, dim=1)
@@ -229,8 +241,16 @@ def test_layer_view_shares_the_first_layers(tmp_path):
 
 def test_sliding_window_caps_max_length(tmp_path):
     config_cls, model_cls, _ = _mistral()
-    cfg = config_cls(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, sliding_window=24)
+    cfg = config_cls(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        sliding_window=24,
+    )
     model_cls(cfg).save_pretrained(tmp_path)
     native = NativeCausalLM.from_pretrained(tmp_path)
     assert native.max_length == 24  # within the window, sliding and full attention agree

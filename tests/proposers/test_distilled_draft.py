@@ -13,9 +13,9 @@ from specdecode.core.sampling import SamplingConfig, logits_to_probs
 from specdecode.engine import Decoder, GenerationConfig, TreeConfig
 from specdecode.errors import ConfigError
 from specdecode.models.loading import LoadedModel
-from specdecode.proposers import DraftModelProposer
 from specdecode.networks.draft_model import MATRICES, DistilledDraft, DraftConfig, ReducedVocabLM, load_distilled
 from specdecode.networks.storage import DRAFTERS_DIR, load_head
+from specdecode.proposers import DraftModelProposer
 
 N_SAMPLES = 3_000  # the broken variant below fails outright (p = 0); kept small for speed
 PROMPT = [1, 2, 3, 1, 2, 0, 1]
@@ -45,7 +45,6 @@ class UnmappedQ(DraftModelProposer):
         full = torch.zeros(1, self.model.vocab_size)
         full[:, : q.shape[-1]] = q
         return full
-
 
 
 def test_reported_q_is_the_drawn_distribution_mapped_to_token_ids():

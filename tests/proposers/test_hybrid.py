@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle import random_head
+from test_medusa import random_heads
 
 from helpers import ALPHA, proposer_pvalue, tiny_native
 from specdecode.core.sampling import SamplingConfig
@@ -14,9 +16,6 @@ from specdecode.errors import ConfigError
 from specdecode.proposers.eagle import EagleProposer
 from specdecode.proposers.hybrid import HybridProposer
 from specdecode.proposers.medusa import MedusaProposer
-
-from test_eagle import random_head
-from test_medusa import random_heads
 
 N_SAMPLES = 5_000  # chi-square at ALPHA over the 625 4-token continuations; the broken variant gets p ~ 0
 SAMPLING = SamplingConfig(temperature=1.0, top_k=4)
@@ -87,7 +86,9 @@ def test_lookup_rounds_keep_the_drafter_s_features_without_recomputing():
     proposer = hybrid(target, "eagle")
     fills = []
     proposer.drafter._fill = lambda context, needed: fills.append(needed)
-    out = Decoder(target, proposer, k=3).generate([1, 2, 3, 4, 1, 2, 3, 0, 1, 2] * 3, GenerationConfig(max_new_tokens=40))
+    out = Decoder(target, proposer, k=3).generate(
+        [1, 2, 3, 4, 1, 2, 3, 0, 1, 2] * 3, GenerationConfig(max_new_tokens=40)
+    )
     assert out.stats["hybrid_rounds"]["lookup"] >= 5 and fills == []
 
 

@@ -43,7 +43,6 @@ class WrongTemperature(MedusaProposer):
         return logits_to_probs(logits, SamplingConfig(temperature=sampling.temperature * 0.3, top_k=sampling.top_k))
 
 
-
 def test_medusa_sampling_is_exact():
     target = tiny_native(vocab=5, seed=0)
     proposer = MedusaProposer(target, heads=random_heads(target, draft_vocab=4))
@@ -59,7 +58,9 @@ def test_confidence_stopped_chains_sample_exactly():
 def test_confidence_threshold_cuts_chains():
     target = tiny_native(vocab=6, seed=5, layers=3)
     heads = random_heads(target, draft_vocab=5)
-    lengths = greedy_draft_lengths(lambda t: MedusaProposer(target, heads=heads, confidence_threshold=t), (0.0, 0.5, 0.999))
+    lengths = greedy_draft_lengths(
+        lambda t: MedusaProposer(target, heads=heads, confidence_threshold=t), (0.0, 0.5, 0.999)
+    )
     assert lengths[0] == heads.cfg.num_heads and lengths[2] == 0 and lengths[0] >= lengths[1] >= lengths[2]
 
 
@@ -170,7 +171,9 @@ def test_shipped_heads_greedy_identity_on_real_model():
         ids = chat_ids(loaded, prompt)
         expected = Decoder(loaded.model, None, eos_token_ids=loaded.eos_token_ids).generate(ids, cfg).token_ids
         for tree in (None, TreeConfig(max_nodes=16)):
-            decoder = Decoder(loaded.model, make_proposer("medusa", loaded), k=4, tree=tree, eos_token_ids=loaded.eos_token_ids)
+            decoder = Decoder(
+                loaded.model, make_proposer("medusa", loaded), k=4, tree=tree, eos_token_ids=loaded.eos_token_ids
+            )
             out = decoder.generate(ids, cfg)
             assert out.token_ids == expected, (prompt, tree)
             accepted.append(out.stats["mean_accepted_length"])

@@ -1,9 +1,9 @@
+import pytest
+
 from specdecode.core.sampling import SamplingConfig
 from specdecode.errors import ConfigError
 from specdecode.proposers import NgramProposer
 from specdecode.proposers.ngram import lookup
-
-import pytest
 
 
 def test_longest_ngram_wins_and_latest_match_is_used():

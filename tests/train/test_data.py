@@ -38,7 +38,9 @@ def test_heldout_split_depends_only_on_the_sequence():
 def test_shard_round_trip_keeps_chat_answers_first(tmp_path):
     seqs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     feats = [torch.randn(len(s), 4).half() for s in seqs]
-    summary = data.write_shard(tmp_path / "d.safetensors", seqs, ["generated", "self_instruct", "stdlib"], feats, 0.0, 7)
+    summary = data.write_shard(
+        tmp_path / "d.safetensors", seqs, ["generated", "self_instruct", "stdlib"], feats, 0.0, 7
+    )
     tensors, stored = data.load_dataset(tmp_path / "d.safetensors")
     assert stored == summary
     assert summary["generated_sequences"] == 2 and summary["self_instruct_sequences"] == 1

@@ -75,6 +75,11 @@ def test_cli_train_medusa(tiny_dir, tmp_path, capsys):
     from specdecode.cli import main
 
     out = tmp_path / "cli"
-    assert main(["train", "medusa", "--out", str(out), "--target", str(tiny_dir), "--quick", "--steps", "3", "--heads", "2"]) == 0
+    assert (
+        main(
+            ["train", "medusa", "--out", str(out), "--target", str(tiny_dir), "--quick", "--steps", "3", "--heads", "2"]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     assert printed["steps"] == 3 and len(printed["heldout"]["top1_agreement_per_head"]) == 2

@@ -60,7 +60,10 @@ def test_resume_continues_to_the_same_weights(tiny_dir, tmp_path):
 def test_cli_train_eagle(tiny_dir, tmp_path, capsys):
     from specdecode.cli import main
 
-    assert main(["train", "eagle", "--out", str(tmp_path / "cli"), "--target", str(tiny_dir), "--quick", "--steps", "3"]) == 0
+    assert (
+        main(["train", "eagle", "--out", str(tmp_path / "cli"), "--target", str(tiny_dir), "--quick", "--steps", "3"])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["steps"] == 3
     assert main(["train", "nonsense"]) == 2
 
@@ -98,11 +101,23 @@ def test_unrolled_predictions_match_drafting_from_a_cache():
             for i in range(depth - 1, 7):
                 cache = StaticKVCache(1, head.cfg.kv_heads, head.cfg.head_dim, 16, torch.float32)
                 n_true = i - depth + 2  # the true entries 0..i-depth+1, then drafted ones up to i
-                x = head(feats[b : b + 1, :n_true], embeds[b : b + 1, :n_true], torch.arange(n_true),
-                         cache.keys[0], cache.values[0], cache.reserve(n_true))[:, -1:]
+                x = head(
+                    feats[b : b + 1, :n_true],
+                    embeds[b : b + 1, :n_true],
+                    torch.arange(n_true),
+                    cache.keys[0],
+                    cache.values[0],
+                    cache.reserve(n_true),
+                )[:, -1:]
                 for pos in range(n_true, i + 1):
-                    x = head(x, embeds[b : b + 1, pos : pos + 1], torch.tensor([pos]), cache.keys[0], cache.values[0],
-                             cache.reserve(1))
+                    x = head(
+                        x,
+                        embeds[b : b + 1, pos : pos + 1],
+                        torch.tensor([pos]),
+                        cache.keys[0],
+                        cache.values[0],
+                        cache.reserve(1),
+                    )
                 torch.testing.assert_close(x[0, 0], preds[depth - 1][b, i], atol=1e-4, rtol=1e-4)
 
 

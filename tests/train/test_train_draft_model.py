@@ -50,8 +50,21 @@ def test_quick_training_end_to_end_and_use(tiny_dir, tmp_path):
 def test_cli_train_draft_model(tiny_dir, tmp_path, capsys):
     from specdecode.cli import main
 
-    argv = ["train", "draft-model", "--out", str(tmp_path / "cli"), "--target", str(tiny_dir), "--quick",
-            "--steps", "3", "--layers", "1", "--rank", "4"]
+    argv = [
+        "train",
+        "draft-model",
+        "--out",
+        str(tmp_path / "cli"),
+        "--target",
+        str(tiny_dir),
+        "--quick",
+        "--steps",
+        "3",
+        "--layers",
+        "1",
+        "--rank",
+        "4",
+    ]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["steps"] == 3
     assert json.loads((tmp_path / "cli" / "card.json").read_text())["layers"] == [1]
