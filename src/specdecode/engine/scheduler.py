@@ -265,6 +265,9 @@ class Engine:
             else:
                 r.propose()
         for group in groups.values():
+            if len(group) == 1:  # nothing to batch: the proposer's own chain drafting
+                group[0].propose()
+                continue
             t = time.perf_counter()
             drafts = group[0].spec.proposer.propose_batch(
                 [r.proposer for r in group],
