@@ -277,8 +277,13 @@ def generate_responses(
 
     engine = Engine(target, eos_token_ids=eos, config=EngineConfig(max_batch=batch))
     with tqdm(total=len(prompts), desc="generate", disable=not progress) as bar:
+        # A prompt longer than the model's window is answered from its last tokens (the engine
+        # refuses over-long requests; the stored sequence keeps the whole prompt).
+        keep = max(target.max_length - max_new, 1)
         results = engine.generate(
-            prompts, GenerationConfig(max_new_tokens=max_new), on_step=lambda done: bar.update(done - bar.n)
+            [p[-keep:] for p in prompts],
+            GenerationConfig(max_new_tokens=min(max_new, target.max_length - 1)),
+            on_step=lambda done: bar.update(done - bar.n),
         )
     outs = [r.token_ids for r in results]
     return [p + o for p, o in zip(prompts, outs)]
