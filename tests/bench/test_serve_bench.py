@@ -19,7 +19,6 @@ from specdecode.bench.serve import (
     LoadRequest,
     Progress,
     Trace,
-    _engine_class,
     closed_loop,
     open_loop,
     parse_arm,
@@ -30,7 +29,7 @@ from specdecode.bench.serve import (
 from specdecode.bench.serve_report import distribution, evaluate_targets, percentile
 from specdecode.bench.workload import WorkItem
 from specdecode.cli import main as cli_main
-from specdecode.engine import Decoder, GenerationConfig, Speculation
+from specdecode.engine import Decoder, Engine, GenerationConfig, Speculation
 from specdecode.errors import ConfigError
 from specdecode.proposers import NgramProposer
 
@@ -203,7 +202,7 @@ def test_arm_names():
 
 def test_table_policy_follows_the_batch_size_in_the_engine():
     model = tiny_native(vocab=8, seed=2)
-    engine = _engine_class()(model, config=None)
+    engine = Engine(model)
     spec = Speculation(NgramProposer(), k=3, policy=BatchTableK(((2, 3), (3, 1)), 0))
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     lengths = (4, 8, 16, 24)  # the batch shrinks 4 -> 3 -> 2 -> 1 as requests finish

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from specdecode.bench.workload import WorkItem, default_workload_path, load_workload
+from specdecode.engine.policy import BatchTableK
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import METHODS
 
@@ -306,51 +307,6 @@ def parse_options(argv: list[str]) -> Options:
         max_batch=_int(args.max_batch, "--max-batch") if args.max_batch is not None else top,
         seed=_int(args.seed, "--seed", low=0),
     )
-
-
-# -- k by batch size: a policy and the engine hook it needs -------------------------------------
-class BatchTableK:
-    """k by how many requests decode in the step, from a table (vLLM's
-    ``num_speculative_tokens_per_batch_size``): ``table`` holds (batch bound, k) pairs, a batch
-    above the last bound drafts ``above``. :class:`ServeEngine` tells it the batch size each step."""
-
-    name = "table"
-    batch_planned = False
-
-    def __init__(self, table: Sequence[tuple[int, int]], above: int = 0) -> None:
-        self.table, self.above = tuple(table), above
-        self.k_max = max([k for _, k in self.table] + [above])
-        self.batch = 1
-
-    def k_for(self, batch: int) -> int:
-        return next((k for bound, k in self.table if batch <= bound), self.above)
-
-    def reset(self) -> None:
-        self.batch = 1
-
-    def next_k(self) -> int:
-        return self.k_for(self.batch)
-
-    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        pass
-
-    def describe(self) -> str:
-        return ",".join([f"{b}:{k}" for b, k in self.table] + [str(self.above)])
-
-
-def _engine_class() -> type:
-    from specdecode.engine import Engine
-
-    class ServeEngine(Engine):
-        """The engine, telling batch-size policies how many requests decode before each plan."""
-
-        def _plan(self, decoding: list, prefill_rows: int) -> None:
-            for r in decoding:
-                if isinstance(r.policy, BatchTableK):
-                    r.policy.batch = len(decoding)
-            super()._plan(decoding, prefill_rows)
-
-    return ServeEngine
 
 
 # -- arms: what one cell runs -------------------------------------------------------------------
@@ -672,10 +628,10 @@ class EngineTarget:
         """A new engine for the cell, warmed by ``warmup`` short requests at once (untimed): first-call
         costs stay out of the timings and the planner has measured forwards at that batch size."""
         from specdecode.core.sampling import SamplingConfig
-        from specdecode.engine import EngineConfig, GenerationConfig
+        from specdecode.engine import Engine, EngineConfig, GenerationConfig
 
         loaded = self.loaded
-        self.engine = _engine_class()(
+        self.engine = Engine(
             loaded.model,
             eos_token_ids=loaded.eos_token_ids,
             tokenizer=loaded.tokenizer,

@@ -13,43 +13,55 @@ rows stop paying, and speculation switches itself off (k = 0), with no table to 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 
 class ForwardCosts:
     """Seconds of one target forward over n rows: an EMA per row count, linear in between and
-    beyond (least-squares slope, never negative); before any measurement, a flat prior curve."""
+    beyond (least-squares slope, never negative); before any measurement, a flat prior curve.
+
+    The planner asks for many row counts every step, so the measured counts are kept sorted and
+    the slope is refitted only when a measurement arrives.
+    """
 
     def __init__(self, ema: float = 0.3, prior_slope: float = 0.02) -> None:
         self.ema, self.prior_slope = ema, prior_slope
         self.points: dict[int, float] = {}
+        self._xs: list[int] = []  # the keys of ``points``, ascending
+        self._slope: float | None = None  # cached fit; None after a new measurement
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.points.get(rows)
+        if old is None:
+            bisect.insort(self._xs, rows)
         self.points[rows] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        self._slope = None
 
     def __call__(self, rows: int) -> float:
-        pts = self.points
+        pts, xs = self.points, self._xs
         if rows in pts:
             return pts[rows]
-        if not pts:
+        if not xs:
             return 1.0 + self.prior_slope * (rows - 1)
-        xs = sorted(pts)
-        lower = [x for x in xs if x < rows]
-        upper = [x for x in xs if x > rows]
-        if lower and upper:
-            x0, x1 = lower[-1], upper[0]
+        i = bisect.bisect_left(xs, rows)  # xs[i - 1] < rows < xs[i]
+        if 0 < i < len(xs):
+            x0, x1 = xs[i - 1], xs[i]
             return pts[x0] + (pts[x1] - pts[x0]) * (rows - x0) / (x1 - x0)
-        x0 = lower[-1] if lower else upper[0]
+        x0 = xs[-1] if i else xs[0]
         return max(pts[x0] + self.slope() * (rows - x0), 1e-9)
 
     def slope(self) -> float:
         """Extra seconds per extra row (least squares over the measured row counts)."""
-        xs = list(self.points)
+        if self._slope is None:
+            self._slope = self._fit()
+        return self._slope
+
+    def _fit(self) -> float:
+        xs = self._xs
         if len(xs) < 2:
-            t = next(iter(self.points.values()), 1.0)
-            return self.prior_slope * t
+            return self.prior_slope * next(iter(self.points.values()), 1.0)
         mx = sum(xs) / len(xs)
         my = sum(self.points.values()) / len(xs)
         var = sum((x - mx) ** 2 for x in xs)

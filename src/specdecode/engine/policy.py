@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from specdecode.core.cost_model import best_k, predict_tokens_per_s
@@ -20,8 +20,8 @@ class KPolicy(Protocol):
         """Start a new request."""
         ...
 
-    def next_k(self) -> int:
-        """Drafts to request this round, in 0..k_max."""
+    def next_k(self, batch: int = 1) -> int:
+        """Drafts to request this round, in 0..k_max; ``batch``: requests decoding in the step."""
         ...
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
@@ -40,7 +40,7 @@ class FixedK:
     def reset(self) -> None:
         pass
 
-    def next_k(self) -> int:
+    def next_k(self, batch: int = 1) -> int:
         return self.k_max
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
@@ -61,13 +61,41 @@ class HeuristicK:
     def reset(self) -> None:
         self.k = self.k_start
 
-    def next_k(self) -> int:
+    def next_k(self, batch: int = 1) -> int:
         return self.k
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         if drafted == 0:
             return
         self.k = min(self.k + 2, self.k_max) if accepted == drafted else max(self.k - 1, 1)
+
+
+class BatchTableK:
+    """k by how many requests decode in the step, from a table (vLLM's
+    ``num_speculative_tokens_per_batch_size``): ``table`` holds (batch bound, k) pairs, a batch
+    above the last bound drafts ``above``."""
+
+    name = "table"
+    batch_planned = False
+
+    def __init__(self, table: Sequence[tuple[int, int]], above: int = 0) -> None:
+        self.table, self.above = tuple(table), above
+        self.k_max = max([k for _, k in self.table] + [above])
+
+    def k_for(self, batch: int) -> int:
+        return next((k for bound, k in self.table if batch <= bound), self.above)
+
+    def reset(self) -> None:
+        pass
+
+    def next_k(self, batch: int = 1) -> int:
+        return self.k_for(batch)
+
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        pass
+
+    def describe(self) -> str:
+        return ",".join([f"{b}:{k}" for b, k in self.table] + [str(self.above)])
 
 
 class Costs(Protocol):
@@ -149,7 +177,7 @@ class AutoK:
     def rate(self, k: int) -> float:
         return predict_tokens_per_s(k, self.accept_by_position(), self.costs.draft_s_per_token(), self.costs.verify_s)
 
-    def next_k(self) -> int:
+    def next_k(self, batch: int = 1) -> int:
         if self.k == 0:
             self.off_rounds += 1
             if self.off_rounds % self.probe_every == 0:

@@ -219,11 +219,12 @@ class Request:
             self.status = RUNNING
 
     # -- one round: plan, propose, row, absorb ----------------------------------------------------
-    def policy_k(self) -> int:
-        """This round's draft count by the request's own policy, never past the token budget."""
+    def policy_k(self, batch: int = 1) -> int:
+        """This round's draft count by the request's own policy (told the step's ``batch``
+        size), never past the token budget."""
         if self.proposer is None or self.spec.shadow:
             return 0
-        return self.clip(self.policy.next_k())
+        return self.clip(self.policy.next_k(batch))
 
     def clip(self, k: int) -> int:
         return max(0, min(k, self.config.max_new_tokens - self.output.count - 1))

@@ -55,9 +55,10 @@ class EngineConfig:
     max_queue: int | None = None
     probe_every: int = 8  # planned steps at k = 0 before a short probe re-measures acceptance
     probe_k: int = 2
+    step_log: int = 10_000  # recent steps kept for reports (a long-running engine must not grow)
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "prefill_chunk", "probe_every", "probe_k"):
+        for name in ("max_batch", "prefill_chunk", "probe_every", "probe_k", "step_log"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -95,7 +96,7 @@ class Engine:
         self.running: list[Request] = []
         self.reserved = 0  # cache positions held by running requests
         self.costs = ForwardCosts()
-        self.steps: list[StepRecord] = []
+        self.steps: deque[StepRecord] = deque(maxlen=self.config.step_log)
         self._next_id = 0
 
     # -- requests --------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ class Engine:
             if r.spec.batch_planned:
                 planned.append(r)
                 continue
-            r.k = r.policy_k()
+            r.k = r.policy_k(len(decoding))
             other_rows += r.k + 1
             other_tokens += max(r.metrics.committed_tokens / max(r.metrics.target_calls, 1), 1.0)
         if not planned:
@@ -332,7 +333,8 @@ class Engine:
 
     # -- reports ---------------------------------------------------------------------------------
     def k_by_batch_size(self) -> dict[int, float]:
-        """Mean drafts per decoding request, by how many requests were decoding in the step."""
+        """Mean drafts per decoding request, by how many requests were decoding in the step
+        (over the last ``step_log`` steps)."""
         sums: dict[int, list[float]] = {}
         for s in self.steps:
             acc = sums.setdefault(s.batch, [0.0, 0])

@@ -15,8 +15,6 @@ A feature-reading drafter picks up the target's forwards of lookup rounds when i
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from specdecode.core.sampling import SamplingConfig
@@ -44,13 +42,17 @@ class HybridProposer(PerRequest):
         )
         self.rounds = {"lookup": 0, "drafter": 0, "short": 0}  # which source drafted, in this request
         self._source = "drafter"
+        self._target_cache: object | None = None
 
-    def start(self, prompt_ids: list[int], target_cache: object | None = None) -> "HybridProposer":
-        state = copy.copy(self)
-        state.drafter = self.drafter.start(prompt_ids, target_cache)
-        state.rounds = dict.fromkeys(self.rounds, 0)
-        state._source = "drafter"
-        return state
+    def _bind(self, target_cache: object | None) -> None:
+        self._target_cache = target_cache  # for the drafter's own start, in reset
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """This request's drafter state and counts (``start`` calls this on the request's copy)."""
+        self.drafter = self.drafter.start(prompt_ids, self._target_cache)
+        self._target_cache = None
+        self.rounds = dict.fromkeys(self.rounds, 0)
+        self._source = "drafter"
 
     def finish(self, context: list[int]) -> None:
         self.drafter.finish(context)
