@@ -109,3 +109,16 @@ def started_states(proposer) -> list:
     states, start = [], proposer.start
     proposer.start = lambda *args: states.append(start(*args)) or states[-1]
     return states
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """``specdecode ARGV`` in this process: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from specdecode.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import save_tiny_llama
+from helpers import run_cli, save_tiny_llama
 from specdecode.bench.workload import load_workload, select
-from specdecode.cli import main as cli_main
 from specdecode.errors import InputError
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -25,19 +21,7 @@ WORKLOAD = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = cli_main(argv)
-    return rc, out.getvalue(), err.getvalue()
+pytestmark = pytest.mark.usefixtures("module_one_thread")
 
 
 def last_json(stdout: str) -> dict:

@@ -3,17 +3,14 @@ batch-size k table on the engine, a tiny sweep through the CLI, and one-line opt
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from helpers import save_tiny_llama, tiny_native
+from helpers import run_cli, save_tiny_llama, tiny_native
 from specdecode.bench.serve import (
     BatchTableK,
     LoadRequest,
@@ -28,7 +25,6 @@ from specdecode.bench.serve import (
 )
 from specdecode.bench.serve_report import distribution, evaluate_targets, percentile
 from specdecode.bench.workload import WorkItem
-from specdecode.cli import main as cli_main
 from specdecode.engine import Decoder, Engine, GenerationConfig, Speculation
 from specdecode.errors import ConfigError
 from specdecode.proposers import NgramProposer
@@ -40,19 +36,7 @@ WORKLOAD = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = cli_main(argv)
-    return rc, out.getvalue(), err.getvalue()
+pytestmark = pytest.mark.usefixtures("module_one_thread")
 
 
 # -- statistics -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import html
 import io
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -582,12 +583,24 @@ def report_html(results: dict[str, Any], pngs: dict[str, bytes]) -> str:
 
 # -- writing -----------------------------------------------------------------------------------
 def write_all(results: dict[str, Any], out: Path) -> None:
+    write_files(out, results, summary_markdown, make_plots, PLOTS, report_html)
+
+
+def write_files(
+    out: Path,
+    results: dict[str, Any],
+    summary: Callable[[dict[str, Any]], str],
+    plots: Callable[[dict[str, Any]], dict[str, bytes]],
+    plot_files: dict[str, str],
+    html_page: Callable[[dict[str, Any], dict[str, bytes]], str],
+) -> None:
+    """A bench's outputs in ``out``: results.json, summary.md, its PNG plots and report.html."""
     (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    (out / "summary.md").write_text(summary_markdown(results), encoding="utf-8")
-    pngs = make_plots(results)
+    (out / "summary.md").write_text(summary(results), encoding="utf-8")
+    pngs = plots(results)
     for name, data in pngs.items():
-        (out / PLOTS[name]).write_bytes(data)
-    (out / "report.html").write_text(report_html(results, pngs), encoding="utf-8")
+        (out / plot_files[name]).write_bytes(data)
+    (out / "report.html").write_text(html_page(results, pngs), encoding="utf-8")
 
 
 def print_console(results: dict[str, Any], console: Any) -> None:

@@ -7,11 +7,12 @@ import base64
 import html
 import io
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdecode.bench.report import CSS, _html_table, _md_table
+import numpy as np
+
+from specdecode.bench.report import CSS, _html_table, _md_table, _pct, _round, write_files
 
 if TYPE_CHECKING:
     from specdecode.bench.serve import Arm, LoadPoint, LoadRun
@@ -35,16 +36,8 @@ TARGETS = {
 
 # -- statistics ---------------------------------------------------------------------------------
 def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100), linear between closest ranks (numpy's default); None if empty."""
-    if not values:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """The q-th percentile (0..100, numpy's linear rule); None if empty, ValueError outside 0..100."""
+    return float(np.percentile(values, q)) if values else None
 
 
 def distribution(seconds: list[float]) -> dict[str, Any]:
@@ -244,10 +237,6 @@ def _ms(d: dict[str, Any]) -> str:
 
 def _f(v: float | None, digits: int = 2, suffix: str = "") -> str:
     return "—" if v is None else f"{v:.{digits}f}{suffix}"
-
-
-def _pct(v: float | None) -> str:
-    return "—" if v is None else f"{v:.0%}"
 
 
 def _k_by_batch(cell: dict[str, Any], top: int = 4) -> str:
@@ -545,12 +534,7 @@ def report_html(results: dict[str, Any], pngs: dict[str, bytes]) -> str:
 
 
 def write_all(results: dict[str, Any], out: Path) -> None:
-    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    (out / "summary.md").write_text(summary_markdown(results), encoding="utf-8")
-    pngs = make_plots(results)
-    for name, data in pngs.items():
-        (out / PLOTS[name]).write_bytes(data)
-    (out / "report.html").write_text(report_html(results, pngs), encoding="utf-8")
+    write_files(out, results, summary_markdown, make_plots, PLOTS, report_html)
 
 
 def print_console(results: dict[str, Any], console: Any) -> None:
@@ -569,10 +553,6 @@ def print_console(results: dict[str, Any], console: Any) -> None:
         console.print(f"  {a['name']}: {a['label']}")
     for target, verdict, detail in _target_lines(results):
         console.print(f"target: {target}: {verdict} ({detail})")
-
-
-def _round(v: float | None, digits: int = 3) -> float | None:
-    return None if v is None else round(float(v), digits)
 
 
 def summary_json(results: dict[str, Any], out: Path) -> str:
