@@ -150,10 +150,11 @@ class Engine:
         if len(configs) != len(prompts):
             raise ConfigError(f"got {len(configs)} configs for {len(prompts)} prompts")
         requests = [self.submit(p, c, spec) for p, c in zip(prompts, configs)]
+        done = 0
         while self.busy:
-            self.step()
+            done += sum(r.result is not None for r in self.step())  # a finishing request is among the touched
             if on_step is not None:
-                on_step(sum(r.result is not None for r in requests))
+                on_step(done)
         return [r.result for r in requests]
 
     def kv_usage(self) -> dict[str, float]:
