@@ -72,7 +72,9 @@ def test_auto_runs_the_settings_the_card_was_measured_with(drafters, monkeypatch
     assert api.benchmarked_settings(TARGET, "medusa") == {}
     seen = {}
     monkeypatch.setattr(
-        api, "make_proposer", lambda method, target, draft, **o: seen.update(o, method=method) or object()
+        api,
+        "make_proposer",
+        lambda method, target, draft, **o: seen.update(o, method=method) or SimpleNamespace(name=method),
     )
     monkeypatch.setattr(api, "Decoder", lambda model, proposer, k, **o: seen.update(k=k, policy=o["policy"].name))
     loaded = api.LoadedModel(model=None, tokenizer=None, source=TARGET.source)
@@ -98,7 +100,9 @@ def test_auto_runs_the_hybrid_with_the_drafter_it_was_measured_with(drafters, mo
     assert api.best_drafter(TARGET) == "eagle"  # what the hybrid was measured with, not the best alone
     seen = {}
     monkeypatch.setattr(
-        api, "make_proposer", lambda method, target, draft, **o: seen.update(o, method=method) or object()
+        api,
+        "make_proposer",
+        lambda method, target, draft, **o: seen.update(o, method=method) or SimpleNamespace(name=method),
     )
     monkeypatch.setattr(api, "Decoder", lambda model, proposer, k, **o: seen.update(k=k, policy=o["policy"].name))
     api.SpeculativeGenerator(api.LoadedModel(model=None, tokenizer=None, source=TARGET.source))

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from specdecode.core.sampling import SamplingConfig
-from specdecode.engine import Decoder, EngineConfig, GenerationConfig, GenerationResult, TreeConfig
+from specdecode.engine import Decoder, EngineConfig, GenerationConfig, GenerationResult, Speculation, TreeConfig
 from specdecode.engine.policy import make_policy
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import COMPOSED, CONFIDENCE_METHODS, FALLBACK, METHODS, TRAINED, TREE_ONLY, method_spec  # noqa: F401
@@ -77,6 +77,85 @@ def make_proposer(
     return spec.load_builder()(target, draft, **options)
 
 
+def encode_prompt(tokenizer: Any, prompt: str | list[int], chat: bool | None = None) -> list[int]:
+    """Token ids for ``prompt``: ids pass through; text gets the chat template (one user turn)
+    when ``chat`` is true, or is None and the tokenizer has a template."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise InputError("empty prompt")
+        if chat is None:
+            chat = bool(getattr(tokenizer, "chat_template", None))
+        if chat:
+            return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+        return list(tokenizer.encode(prompt))
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise InputError("empty prompt")
+    return ids
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation under the model's chat template, ready for the assistant's turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError("this model has no chat template; send a plain prompt (completions) instead")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def resolve_speculation(
+    target: LoadedModel,
+    method: str = "auto",
+    k: int | str | None = None,
+    draft: LoadedModel | str | os.PathLike | None = None,
+    *,
+    policy: str | None = None,
+    k_max: int = 8,
+    confidence: float | None = None,
+    shadow: bool = False,
+    tree: bool | None = None,
+    max_nodes: int = 16,
+    factory: Callable[[str, dict[str, Any]], Proposer | None] | None = None,
+    **proposer_options: Any,
+) -> Speculation:
+    """How a request speculates, from the user's words (see :class:`SpeculativeGenerator`).
+
+    ``factory(method, options)`` builds (or hands out an already built, shared) proposer
+    prototype; by default a new one is built with :func:`make_proposer`.
+    """
+    chosen = method == "auto"
+    method = best_method(target) if chosen else method
+    measured = benchmarked_settings(target, method) if chosen else {}
+    k = measured.get("k", 4) if k is None else k  # int, or "auto"
+    policy = policy or measured.get("policy")
+    confidence = measured.get("confidence", 0.5) if confidence is None else confidence
+    if "drafter" in measured:
+        proposer_options.setdefault("drafter", measured["drafter"])
+    if k == "auto":
+        policy, k = "auto", k_max
+    policy = policy or "fixed"
+    if policy == "confidence":
+        if method not in CONFIDENCE_METHODS:
+            raise ConfigError(
+                f"policy 'confidence' needs a drafter with its own probabilities "
+                f"(method {', '.join(CONFIDENCE_METHODS)}), not {method!r}"
+            )
+        proposer_options["confidence_threshold"] = confidence
+    if factory is not None:
+        proposer = factory(method, proposer_options)
+    else:
+        proposer = make_proposer(method, target, draft, **proposer_options)
+    if proposer is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise ConfigError(f"k must be an integer >= 1 or 'auto', got {k!r}")
+    use_tree = tree or (tree is None and method in TREE_ONLY)
+    return Speculation(  # the engine checks it against the target on submission
+        proposer,
+        k,
+        make_policy(policy, k) if proposer is not None else None,
+        shadow,
+        TreeConfig(max_nodes=max_nodes) if use_tree else None,
+    )
+
+
 class SpeculativeGenerator:
     """Generate text from a target with a speculative method; outputs match the target's.
 
@@ -112,56 +191,34 @@ class SpeculativeGenerator:
         methods that need them (lookahead).
         """
         self.target = target if isinstance(target, LoadedModel) else load_model(target)
-        chosen = method == "auto"
-        self.method = method = best_method(self.target) if chosen else method
-        measured = benchmarked_settings(self.target, method) if chosen else {}
-        self.k = k = measured.get("k", 4) if k is None else k  # int, or "auto"
-        policy = policy or measured.get("policy")
-        confidence = measured.get("confidence", 0.5) if confidence is None else confidence
-        if "drafter" in measured:
-            proposer_options.setdefault("drafter", measured["drafter"])
-        if k == "auto":
-            policy, k = "auto", k_max
-        policy = policy or "fixed"
-        if policy == "confidence":
-            if method not in CONFIDENCE_METHODS:
-                raise ConfigError(
-                    f"policy 'confidence' needs a drafter with its own probabilities "
-                    f"(method {', '.join(CONFIDENCE_METHODS)}), not {method!r}"
-                )
-            proposer_options["confidence_threshold"] = confidence
-        proposer = make_proposer(method, self.target, draft, **proposer_options)
+        self.spec = resolve_speculation(
+            self.target,
+            method,
+            k,
+            draft,
+            policy=policy,
+            k_max=k_max,
+            confidence=confidence,
+            shadow=shadow,
+            tree=tree,
+            max_nodes=max_nodes,
+            **proposer_options,
+        )
+        self.method, self.k = self.spec.method, self.spec.k_max
         self.decoder = Decoder(
             self.target.model,
-            proposer,
-            k if isinstance(k, int) else -1,
-            policy=make_policy(policy, k) if proposer is not None else None,
+            self.spec.proposer,
+            self.spec.k,
+            policy=self.spec.policy,
             shadow=shadow,
-            tree=TreeConfig(max_nodes=max_nodes) if (tree or (tree is None and method in TREE_ONLY)) else None,
+            tree=self.spec.tree,
             eos_token_ids=self.target.eos_token_ids,
             tokenizer=self.target.tokenizer,
         )
 
     def encode(self, prompt: str | list[int], chat: bool | None = None) -> list[int]:
         """Token ids for ``prompt``; text gets the chat template when the model has one."""
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise InputError("empty prompt")
-            tok = self.target.tokenizer
-            if chat is None:
-                chat = bool(getattr(tok, "chat_template", None))
-            if chat:
-                messages = [{"role": "user", "content": prompt}]
-                return list(
-                    tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
-                        "input_ids"
-                    ]
-                )
-            return list(tok.encode(prompt))
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise InputError("empty prompt")
-        return ids
+        return encode_prompt(self.target.tokenizer, prompt, chat)
 
     def generate(self, prompt: str | list[int], **kwargs: Any) -> GenerationResult:
         """Generate a completion; keyword names follow transformers' ``generate``.

@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serving throughput and latency of the batched engine under load (see --help)",
         add_help=False,
     )
+    sub.add_parser("serve", help="an OpenAI-compatible server on the batched engine (see --help)", add_help=False)
     sub.add_parser(
         "record-drafters",
         help="write a bench run's drafter speedups into the shipped cards (see --help)",
@@ -369,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         from specdecode.bench import serve
 
         return _guard(lambda: serve.main(argv[1:]))
+    if argv[:1] == ["serve"]:
+        from specdecode.serve import main as serve_main
+
+        return _guard(lambda: serve_main.main(argv[1:]))
     if argv[:1] == ["bench"]:
         from specdecode.bench import runner
 

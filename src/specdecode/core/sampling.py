@@ -97,3 +97,19 @@ def check_threshold(threshold: float) -> None:
     """Refuse a confidence threshold outside [0, 1) (0 turns confidence stopping off)."""
     if not 0.0 <= threshold < 1.0:
         raise ConfigError(f"confidence_threshold must be in [0, 1), got {threshold}")
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], top_n: int = 0
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """The target's own log-probabilities (raw logits, before any sampling filter) of ``tokens``,
+    row i for token i (``logits`` [n >= len(tokens), vocab]), each with the ``top_n`` most likely
+    alternatives at its position as (token, logprob) pairs."""
+    if not tokens:
+        return []
+    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [t, vocab]
+    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    if top_n <= 0:
+        return [(lp, []) for lp in chosen]
+    values, ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)  # [t, top_n]
+    return [(lp, list(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]

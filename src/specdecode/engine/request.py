@@ -11,12 +11,12 @@ from __future__ import annotations
 import copy
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from specdecode.core.sampling import SamplingConfig, logits_to_probs
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, token_logprobs
 from specdecode.core.tree import Tree, verify_tree_greedy, verify_tree_sampling
 from specdecode.core.verify import Draft, Verification, verify_greedy, verify_sampling
 from specdecode.engine.output import OutputTracker
@@ -36,10 +36,13 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None  # None: none; n: each emitted token's logprob and the top n alternatives
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ConfigError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
 
 
 @dataclass(frozen=True)
@@ -103,10 +106,12 @@ class Speculation:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """Tokens committed by one round and the text they completed."""
+    """Tokens committed by one round and the text they completed; with ``logprobs`` asked for,
+    each token's target log-probability and its top alternatives ((token, logprob) pairs)."""
 
     token_ids: list[int]
     text: str
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -284,8 +289,10 @@ class Request:
         t = time.perf_counter()
         if self.tree is None:
             committed, drafted, accepted = self._accept_chain(logits)
+            rows = logits  # row i holds committed token i's law
         else:
             committed, drafted, accepted = self._accept_tree(logits)
+            rows = logits[self.path[: len(committed)]]
         m = self.metrics
         m.verify_s += verify_s + time.perf_counter() - t
         m.record_round(drafted, accepted, len(committed))
@@ -294,6 +301,8 @@ class Request:
             self.policy.update(drafted, accepted, self.draft_share, verify_s)
         self.context.extend(committed)
         event = self.output.add(committed)
+        if self.config.logprobs is not None and event.token_ids:
+            event = replace(event, logprobs=token_logprobs(rows, event.token_ids, self.config.logprobs))
         if m.ttft_s == 0.0:
             m.ttft_s = time.perf_counter() - self.arrival
         return event
@@ -330,6 +339,7 @@ class Request:
         else:
             verdict = verify_tree_sampling(tree, logits_to_probs(logits[:n], sampling), self.generator)
         self.cache.compact(self.base, verdict.path)
+        self.path = verdict.path
         self.metrics.tree_nodes += tree.size
         accepted = len(verdict.path) - 1
         self.proposer.observe(accepted)

@@ -128,6 +128,16 @@ class Engine:
         """Stop a request; its cache is freed before the next step's forward."""
         request.cancelled = True
 
+    def abort_all(self) -> None:
+        """Cancel every request and free every cache now (after a failed step, or at shutdown)."""
+        for r in [*self.waiting, *self.running]:
+            r.cancelled = True
+        try:
+            self._schedule()
+        except Exception:  # a request left half-updated by the failure: drop the lot
+            self.waiting.clear()
+            self.running, self.reserved = [], 0
+
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
