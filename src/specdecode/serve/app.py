@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import threading
 import time
 import uuid
@@ -373,7 +374,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = _field_path(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
         elif first.get("type") == "missing" and not loc:
@@ -392,6 +393,23 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             error_body(message, "invalid_request_error", code=str(exc.status_code)), status_code=exc.status_code
         )
+
+
+TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "body"})
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """The field names and list indices of a validation error's location, without pydantic's
+    union-member tags (``SpeculativeSettings``, ``literal[False]``, ``list[str]``...)."""
+    path = []
+    for part in loc:
+        if isinstance(part, int):
+            path.append(str(part))
+        elif re.fullmatch(r"[a-z_][a-z0-9_]*", part) and part not in TYPE_TAGS:
+            path.append(part)
+        elif part != "body":
+            break  # a union member's tag: what follows describes that member, not the field
+    return path
 
 
 class BodyLimit:
