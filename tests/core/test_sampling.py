@@ -52,3 +52,13 @@ def test_batched_shapes_preserved():
 def test_bad_settings_raise_clear_errors(kwargs):
     with pytest.raises(ConfigError):
         SamplingConfig(**kwargs)
+
+
+def test_extreme_settings_keep_a_valid_distribution():
+    """Found by the server's fuzz test: top_p = 5e-324 reads as 0 in float32 and dropped every
+    token; a temperature of 1e-300 overflowed the logits. Both must still give a distribution."""
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    probs = logits_to_probs(logits, SamplingConfig(temperature=1.0, top_p=5e-324))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0]]))
+    tiny = SamplingConfig(temperature=1e-300)
+    assert tiny.greedy and torch.equal(logits_to_probs(logits, tiny), probs)

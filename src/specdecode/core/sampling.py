@@ -8,6 +8,8 @@ import torch
 
 from specdecode.errors import ConfigError
 
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -30,7 +32,9 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below GREEDY_BELOW are greedy: dividing logits by them overflows float32,
+        and the law they describe is the argmax's to within float precision (vLLM does the same)."""
+        return self.temperature < GREEDY_BELOW
 
 
 def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -48,6 +52,7 @@ def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         sorted_p = torch.softmax(sorted_x, dim=-1)
         # Drop a token when the mass strictly before it already reaches top_p; the top token stays.
         drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= cfg.top_p
+        drop_sorted[..., 0] = False  # even when top_p underflows float32 (1e-300 reads as 0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     if cfg.min_p > 0.0:
