@@ -152,6 +152,18 @@ def test_health_is_503_while_loading_then_200(tiny_loaded):
         live.stop()
 
 
+def test_draining_refuses_new_requests_with_503(tiny_loaded):
+    live = start_server(tiny_loaded)
+    try:
+        live.state.drain()
+        code, answer, _ = http(live, "POST", "/v1/chat/completions", CHAT)
+        assert_error(code, answer, 503)
+        assert answer["error"]["code"] == "shutting_down"
+        assert http(live, "GET", "/health")[0] == 503
+    finally:
+        live.stop()
+
+
 def test_a_full_queue_is_429_and_nothing_is_lost():
     loaded, _ = scripted(delay_s=0.02)
     live = start_server(loaded, method="none", engine=EngineConfig(max_batch=1, max_queue=1))

@@ -8,8 +8,12 @@ ready). SIGTERM or Ctrl-C drains: new requests get 503, running ones finish (up 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -149,3 +153,17 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.state.drain()
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Our handlers for SIGINT/SIGTERM, restored afterwards; unlike uvicorn's own, the signal is
+        not raised again after the drain, so a drained server exits 0."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
