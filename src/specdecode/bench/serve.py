@@ -129,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default=None, help=f"comma list; 0 = greedy (default {DEFAULTS['temperatures']})")
     p.add_argument("--max-batch", default=None, help="engine max batch (default max(32, top concurrency))")
     p.add_argument("--seed", default="0", help="prompt sample, arrivals and sampling seed (default 0)")
+    p.add_argument(
+        "--url",
+        default=None,
+        help="drive a running server (specdecode serve, or any OpenAI-compatible one) over HTTP instead of "
+        "the in-process engine; --target must name the same model (prompts are tokenized here)",
+    )
+    p.add_argument("--api-key", default=None, help="with --url: the server's API key")
+    p.add_argument("--slo-ttft-ms", default="2000", help="goodput: a request meets the SLO within this TTFT")
+    p.add_argument("--slo-tpot-ms", default="200", help="goodput: ... and this TPOT (default 200 ms)")
     return p
 
 
@@ -182,6 +191,9 @@ class Options:
     temperatures: list[float]
     max_batch: int
     seed: int
+    url: str | None = None
+    api_key: str | None = None
+    slo_ms: tuple[float, float] = (2000.0, 200.0)  # (TTFT, TPOT) a request must meet to count as goodput
 
     def requests_for(self, point: LoadPoint) -> int:
         if self.requests is not None:
@@ -306,6 +318,12 @@ def parse_options(argv: list[str]) -> Options:
         ),
         max_batch=_int(args.max_batch, "--max-batch") if args.max_batch is not None else top,
         seed=_int(args.seed, "--seed", low=0),
+        url=args.url,
+        api_key=args.api_key,
+        slo_ms=(
+            _float(args.slo_ttft_ms, "--slo-ttft-ms", positive=True),
+            _float(args.slo_tpot_ms, "--slo-tpot-ms", positive=True),
+        ),
     )
 
 
@@ -767,6 +785,10 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             try:
                 arm = resolve_arm(spec, target, opts)
                 arm.speculation(target).check(target.model)  # fails now, not mid-sweep
+                if opts.url is not None:
+                    from specdecode.bench.http_target import speculative_field
+
+                    speculative_field(arm)  # what a request can ask for over HTTP
                 arms.append(arm)
             except (ConfigError, TypeError, ValueError) as exc:
                 skipped.append({"name": spec.name, "reason": str(exc)})
@@ -837,6 +859,9 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
                 "k_table": BatchTableK(*opts.k_table).describe(),
                 "max_batch": opts.max_batch,
                 "seed": opts.seed,
+                "over": "http" if opts.url else "engine",
+                "url": opts.url,
+                "slo_ms": {"ttft": opts.slo_ms[0], "tpot": opts.slo_ms[1]},
                 "quick": opts.quick,
                 "torch_threads": torch.get_num_threads(),
             },
@@ -860,8 +885,12 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
 
 
 def build_target(opts: Options, loaded: Any) -> ServeTarget:
-    """What the load is driven against: the in-process engine (an HTTP client target for ``--url``
-    would be chosen here; prompts are still tokenized with the target's tokenizer)."""
+    """What the load is driven against: the in-process engine, or a server over HTTP (``--url``;
+    prompts are still tokenized here, with the target's tokenizer)."""
+    if opts.url is not None:
+        from specdecode.bench.http_target import HttpTarget
+
+        return HttpTarget(opts.url, opts.api_key)
     return EngineTarget(loaded, opts.max_batch)
 
 
@@ -879,4 +908,4 @@ def run_cell(
         arrivals = poisson_arrivals(len(requests), point.value, opts.seed * 7_919 + int(point.value * 1000))
         run = open_loop(target, requests, arrivals)
     info = target.end_cell()
-    return cell_metrics(arm, temperature, point, run, info)
+    return cell_metrics(arm, temperature, point, run, info, opts.slo_ms)

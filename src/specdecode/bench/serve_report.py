@@ -54,7 +54,9 @@ def _div(a: float, b: float) -> float | None:
 
 
 # -- one cell -----------------------------------------------------------------------------------
-def cell_metrics(arm: Arm, temperature: float, point: LoadPoint, run: LoadRun, info: dict[str, Any]) -> dict[str, Any]:
+def cell_metrics(
+    arm: Arm, temperature: float, point: LoadPoint, run: LoadRun, info: dict[str, Any], slo_ms: tuple[float, float]
+) -> dict[str, Any]:
     traces = run.traces
     duration = run.t_end - run.t0
     tokens = sum(t.tokens for t in traces)
@@ -85,6 +87,7 @@ def cell_metrics(arm: Arm, temperature: float, point: LoadPoint, run: LoadRun, i
         "new_tokens": tokens,
         "duration_s": duration,
         "req_per_s": _div(completed, duration),
+        "goodput_req_s": _div(sum(meets_slo(t, slo_ms) for t in traces), duration),
         "output_tok_s": _div(tokens, duration),
         "ttft_ms": distribution([t.ttft for t in traces if t.ttft is not None]),
         "tpot_ms": distribution([t.tpot for t in traces if t.tpot is not None]),
@@ -104,6 +107,14 @@ def cell_metrics(arm: Arm, temperature: float, point: LoadPoint, run: LoadRun, i
         },
         "request_records": [t.to_dict(run.t0) for t in traces],
     }
+
+
+def meets_slo(trace: Any, slo_ms: tuple[float, float]) -> bool:
+    """Finished, first token within the TTFT bound and (when it has more than one) TPOT within its bound."""
+    ttft, tpot = trace.ttft, trace.tpot
+    if trace.finished is None or ttft is None or ttft * 1e3 > slo_ms[0]:
+        return False
+    return tpot is None or tpot * 1e3 <= slo_ms[1]
 
 
 # -- across cells -------------------------------------------------------------------------------
@@ -132,6 +143,7 @@ def ratios(cell: dict[str, Any], plain: dict[str, Any] | None) -> dict[str, floa
     return {
         "output_tok_s": _ratio(cell["output_tok_s"], plain["output_tok_s"]),
         "req_per_s": _ratio(cell["req_per_s"], plain["req_per_s"]),
+        "goodput": _ratio(cell.get("goodput_req_s"), plain.get("goodput_req_s")),
         "tpot_p50": _ratio(cell["tpot_ms"]["p50"], plain["tpot_ms"]["p50"]),
         "ttft_p50": _ratio(cell["ttft_ms"]["p50"], plain["ttft_ms"]["p50"]),
         "itl_p50": _ratio(cell["itl_ms"]["p50"], plain["itl_ms"]["p50"]),
@@ -253,6 +265,7 @@ HEADER = [
     "load",
     "method",
     "req/s",
+    "goodput/s",
     "tok/s",
     "tok/s vs plain",
     "TTFT ms p50/90/99",
@@ -273,6 +286,7 @@ def row_cells(c: dict[str, Any]) -> list[str]:
         c["load"]["label"],
         c["arm"],
         _f(c["req_per_s"], 2),
+        _f(c.get("goodput_req_s"), 2),
         _f(c["output_tok_s"], 1),
         _f(r.get("output_tok_s"), 2, "x") if c["method"] != "none" else "1.00x",
         _ms(c["ttft_ms"]),
@@ -566,6 +580,7 @@ def summary_json(results: dict[str, Any], out: Path) -> str:
                 "load": c["load"]["label"],
                 "T": c["temperature"],
                 "req_s": _round(c["req_per_s"]),
+                "goodput_req_s": _round(c.get("goodput_req_s")),
                 "tok_s": _round(c["output_tok_s"], 2),
                 "ttft_p50_ms": _round(c["ttft_ms"]["p50"], 1),
                 "tpot_p50_ms": _round(c["tpot_ms"]["p50"], 2),

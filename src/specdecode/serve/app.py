@@ -249,6 +249,7 @@ class _Call:
         self.top = int(logprobs or 0)
         self.want_logprobs = jobs[0].config.logprobs is not None
         self.offsets = {job.index: 0 for job in jobs}  # completions' text_offset, per choice
+        self.emitted, self.continuous = 0, False  # tokens streamed so far (all choices)
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -310,7 +311,9 @@ class _Call:
     async def stream(self) -> AsyncIterator[bytes]:
         watcher = asyncio.create_task(self._watch())
         results = {}
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        options = self.body.stream_options
+        include_usage = bool(options and options.include_usage)
+        self.continuous = bool(options and options.continuous_usage_stats)
         try:
             if self.chat:
                 for job in self.jobs:
@@ -328,7 +331,8 @@ class _Call:
                     results[index] = item.result
                     yield self._chunk(index, {} if self.chat else "", finish_reason(item.result))
                     continue
-                if item.text or self.want_logprobs:
+                self.emitted += len(item.token_ids)
+                if item.text or self.want_logprobs or self.continuous:
                     yield self._chunk(index, {"content": item.text} if self.chat else item.text, None, item)
             else:
                 if include_usage:
@@ -351,6 +355,18 @@ class _Call:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
+        if self.continuous:  # vLLM's extension: every chunk says how many tokens have come so far
+            n = self.emitted
+            return sse(
+                self._frame(
+                    [choice],
+                    usage={
+                        "prompt_tokens": self.prompt_tokens,
+                        "completion_tokens": n,
+                        "total_tokens": self.prompt_tokens + n,
+                    },
+                )
+            )
         return sse(self._frame([choice]))
 
     def _frame(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class SpeculativeSettings(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's extension: usage (tokens so far) in every chunk")
 
 
 class _Generation(_Request):
