@@ -317,3 +317,15 @@ def _wait(condition, what: str, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+def test_echo_and_several_prompts(scripted_server):
+    body = {"model": "tiny", "prompt": ["h", "hé"], "max_tokens": 5, "temperature": 0, "echo": True, "n": 2}
+    code, answer, _ = http(scripted_server, "POST", "/v1/completions", body)
+    assert code == 200
+    texts = [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+    assert texts[0] == texts[1] and texts[0].startswith("h") and texts[2].startswith("hé")
+    streamed, _, _ = _stream_text(scripted_server, {**body, "prompt": "h", "n": 1})
+    assert streamed == texts[0]
+    code, answer, _ = http(scripted_server, "POST", "/v1/completions", {**body, "stop": [""]})
+    assert_error(code, answer, 400, "stop")

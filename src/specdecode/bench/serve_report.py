@@ -67,6 +67,7 @@ def cell_metrics(
     calls = sum(int(s.get("target_calls") or 0) for s in stats)
     committed = sum(float(s.get("mean_accepted_length") or 0.0) * int(s.get("target_calls") or 0) for s in stats)
     history = [int(k) for s in stats for k in (s.get("k_history") or [])]
+    calls_k = [(float(s["k"]), int(s.get("target_calls") or 0)) for s in stats if "k_history" not in s and "k" in s]
     speculative = arm.method != "none"
     return {
         "key": f"{arm.name}|{point.label}|T={temperature:g}",
@@ -99,7 +100,7 @@ def cell_metrics(
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
         "target_calls": calls,
-        "mean_k": (sum(history) / len(history) if history else 0.0) if speculative else None,
+        "mean_k": _mean_k(history, calls_k) if speculative else None,
         "engine": info,
         "in_flight": {
             "max": max(run.in_flight, default=0),
@@ -107,6 +108,15 @@ def cell_metrics(
         },
         "request_records": [t.to_dict(run.t0) for t in traces],
     }
+
+
+def _mean_k(history: list[int], calls_k: list[tuple[float, int]]) -> float:
+    """Mean drafts per round: from each round's k, or (over HTTP, where usage reports each
+    request's mean k) weighted by the request's rounds."""
+    if history:
+        return sum(history) / len(history)
+    rounds = sum(n for _, n in calls_k)
+    return sum(k * n for k, n in calls_k) / rounds if rounds else 0.0
 
 
 def meets_slo(trace: Any, slo_ms: tuple[float, float]) -> bool:

@@ -117,7 +117,16 @@ def create_app(load: Loader, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/completions", response_model=Completion, dependencies=auth, responses={**ERRORS, **STREAM})
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check(state, body)
-        return await _run(state, request, body, _prompt_ids(state, body), chat=False)
+        prompts = _prompt_ids(state, body)
+        echo = None
+        if body.echo:  # the prompt's text ahead of each choice's completion
+            if isinstance(body.prompt, str):
+                echo = [body.prompt]
+            elif all(isinstance(p, str) for p in body.prompt):
+                echo = list(body.prompt)
+            else:  # token ids
+                echo = [state.target.tokenizer.decode(ids) for ids in prompts]
+        return await _run(state, request, body, prompts, chat=False, echo=echo)
 
     return app
 
@@ -203,7 +212,14 @@ def _max_tokens(state: ServerState, body: _Generation, prompt_len: int) -> int:
 
 
 # -- running a request ---------------------------------------------------------------------------
-async def _run(state: ServerState, request: Request, body: _Generation, prompts: list[list[int]], chat: bool) -> Any:
+async def _run(
+    state: ServerState,
+    request: Request,
+    body: _Generation,
+    prompts: list[list[int]],
+    chat: bool,
+    echo: list[str] | None = None,
+) -> Any:
     budgets = [_max_tokens(state, body, len(ids)) for ids in prompts]
     try:
         spec = await asyncio.to_thread(state.default_speculation, body.speculative)
@@ -221,6 +237,8 @@ async def _run(state: ServerState, request: Request, body: _Generation, prompts:
             state.worker.cancel(job)
         raise _submit_error(exc) from None
     call = _Call(state, request, body, jobs, items, chat, sum(map(len, prompts)))
+    if echo is not None:
+        call.echo = {job.index: echo[job.index // body.n] for job in jobs}
     if body.stream:
         return StreamingResponse(call.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return JSONResponse(await call.collect())
@@ -250,6 +268,7 @@ class _Call:
         self.want_logprobs = jobs[0].config.logprobs is not None
         self.offsets = {job.index: 0 for job in jobs}  # completions' text_offset, per choice
         self.emitted, self.continuous = 0, False  # tokens streamed so far (all choices)
+        self.echo: dict[int, str] = {}  # completions' echo: prompt text per choice
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -303,9 +322,11 @@ class _Call:
                 logprobs = {"content": [e for ev in events for e in self.format.chat(ev, self.top)]}
             message = {"role": "assistant", "content": result.text}
             return {"index": index, "message": message, "finish_reason": finish_reason(result), "logprobs": logprobs}
+        prefix = self.echo.get(index, "")
         if self.want_logprobs:
-            logprobs = self.format.completion(events, 0, self.top)
-        return {"index": index, "text": result.text, "finish_reason": finish_reason(result), "logprobs": logprobs}
+            logprobs = self.format.completion(events, len(prefix), self.top)
+        text = prefix + result.text
+        return {"index": index, "text": text, "finish_reason": finish_reason(result), "logprobs": logprobs}
 
     # -- Server-Sent Events ----------------------------------------------------------------------
     async def stream(self) -> AsyncIterator[bytes]:
@@ -315,9 +336,12 @@ class _Call:
         include_usage = bool(options and options.include_usage)
         self.continuous = bool(options and options.continuous_usage_stats)
         try:
-            if self.chat:
-                for job in self.jobs:
+            for job in self.jobs:
+                if self.chat:
                     yield self._chunk(job.index, {"role": "assistant", "content": ""}, None)
+                elif job.index in self.echo:
+                    self.offsets[job.index] = len(self.echo[job.index])
+                    yield self._chunk(job.index, self.echo[job.index], None)
             while len(results) < len(self.jobs):
                 try:
                     index, item = await self._next()

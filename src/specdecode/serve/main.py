@@ -125,6 +125,8 @@ def main(argv: list[str]) -> int:
 
     app = create_app(load, config)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.log_level != "error":  # say when the model is ready and under which id, whatever uvicorn logs
+        logging.getLogger("specdecode.serve").setLevel(logging.INFO)
     uv = uvicorn.Config(
         app,
         host=args.host,

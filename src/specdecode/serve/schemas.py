@@ -16,6 +16,9 @@ MAX_N = 16  # choices per request
 MAX_TOP_LOGPROBS = 20
 
 
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -47,7 +50,7 @@ class _Generation(_Request):
     top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="0 or -1: off")
     min_p: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
     seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

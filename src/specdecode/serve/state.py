@@ -8,6 +8,7 @@ by a request except the bounded cache of prototypes.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -97,6 +98,7 @@ class ServerState:
             self.worker = EngineWorker(engine, self.metrics)
             self.worker.start()
             self.status = READY
+            log.info("ready: serving %r (default method %s)", self.model_id, self.config.method)
         except Exception as exc:  # reported by /health and the log; the process keeps answering
             log.exception("loading the model failed")
             self.status, self.error = FAILED, f"loading the model failed: {exc}"
@@ -191,6 +193,9 @@ def _logprobs_wanted(body: _Generation) -> int | None:
 
 
 def model_id(source: str) -> str:
-    """A model's id from where it was loaded: the file or folder name, without .gguf."""
+    """A model's id from where it was loaded: the file or folder name, without .gguf or the
+    content hash a converted GGUF's cache folder carries."""
     name = Path(source).name
-    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+    if name.lower().endswith(".gguf"):
+        return name[: -len(".gguf")]
+    return re.sub(r"-[0-9a-f]{12}$", "", name)
