@@ -53,7 +53,7 @@ class ServeProcess:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
                         return
-            except (urllib.error.URLError, ConnectionError):
+            except (urllib.error.URLError, OSError):  # refused, reset, or timed out while starting
                 pass
             time.sleep(0.1)
         raise AssertionError("the server did not become ready")
@@ -152,6 +152,37 @@ def test_real_model_served_greedy_equals_generate():
         expected = json.loads(stdout)["text"]
         assert [o.choices[0].message.content for o in outs] == [expected] * 4
         assert outs[2].usage.model_extra["speculative"]["method"] == "ngram"
+        assert server.stop() == 0
+    finally:
+        server.stop()
+
+
+def test_ray_without_ray_installed_is_one_error_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
+    rc, out, err = run_cli(["serve", "--ray", "--replicas", "2"])
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines() == [
+        "error: --ray needs Ray Serve, an optional extra: pip install 'specdecode[ray]'"
+    ]
+    rc, _, err = run_cli(["serve", "--replicas", "2"])
+    assert rc == 2 and "--replicas need --ray" in err
+
+
+@pytest.mark.slow
+def test_serve_ray_as_a_process_serves_and_exits_0_on_sigterm(tmp_path):
+    import openai
+
+    from serving import save_chat_model
+
+    save_chat_model(tmp_path)
+    server = ServeProcess(
+        "--ray", "--replicas", "1", "--target", str(tmp_path), "--model-name", "tiny", "--threads", "1"
+    )
+    try:
+        server.wait_ready(timeout=240)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        out = client.completions.create(model="tiny", prompt="ray", max_tokens=6, temperature=0)
+        assert out.usage.completion_tokens == 6
         assert server.stop() == 0
     finally:
         server.stop()

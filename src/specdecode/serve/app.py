@@ -15,7 +15,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -61,13 +61,27 @@ class ApiError(Exception):
         self.status, self.body = status, error_body(message, type_, param, code)
 
 
-def create_app(load: Loader, config: ServerConfig | None = None) -> FastAPI:
-    """The app; ``load()`` -> (target, draft or None) runs in a thread once the server is up."""
+def create_app(
+    load: Loader,
+    config: ServerConfig | None = None,
+    *,
+    background_load: bool = True,
+    metrics_view: Callable[[ServerState], Awaitable[bytes]] | None = None,
+    replica: str | None = None,
+) -> FastAPI:
+    """The app; ``load()`` -> (target, draft or None) runs at startup: in a thread while the
+    server already answers (``background_load``; /health is 503 meanwhile), or before it does
+    (a Ray replica is ready only once loaded). ``metrics_view`` renders /metrics instead of this
+    server's own registry (Ray: every replica's); ``replica`` names this copy of the server in an
+    ``x-specdecode-replica`` header on every response."""
     state = ServerState(load, config or ServerConfig())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        threading.Thread(target=state.load, name="specdecode-load", daemon=True).start()
+        if background_load:
+            threading.Thread(target=state.load, name="specdecode-load", daemon=True).start()
+        else:
+            await asyncio.to_thread(state.load)
         yield
         await asyncio.to_thread(state.shutdown)
 
@@ -76,6 +90,8 @@ def create_app(load: Loader, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="specdecode", version=__version__, lifespan=lifespan)
     app.state.server = state
     app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
+    if replica is not None:
+        app.add_middleware(ReplicaHeader, replica=replica)
     _install_error_handlers(app)
     auth = [Depends(_auth(state.config.api_key))]
 
@@ -86,6 +102,8 @@ def create_app(load: Loader, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics() -> Response:
+        if metrics_view is not None:
+            return Response(await metrics_view(state), media_type="text/plain; version=0.0.4; charset=utf-8")
         if state.metrics is None:
             return Response(b"", media_type="text/plain")
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
@@ -450,6 +468,24 @@ def _field_path(loc: tuple) -> list[str]:
         elif part != "body":
             break  # a union member's tag: what follows describes that member, not the field
     return path
+
+
+class ReplicaHeader:
+    """ASGI middleware: ``x-specdecode-replica`` on every response (which copy answered)."""
+
+    def __init__(self, app: Any, replica: str) -> None:
+        self.app, self.header = app, (b"x-specdecode-replica", replica.encode())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
 
 
 class BodyLimit:

@@ -21,6 +21,7 @@ import uvicorn
 from specdecode.engine import EngineConfig
 from specdecode.errors import ConfigError
 from specdecode.methods import method_names
+from specdecode.serve.state import ModelSource, ServerConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,11 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=_positive(float), default=600.0, help="seconds per request")
     p.add_argument("--drain-timeout", type=_positive(float), default=30.0, help="seconds to finish on SIGTERM")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    ray = p.add_argument_group("Ray Serve (pip install 'specdecode[ray]')")
+    ray.add_argument("--ray", action="store_true", help="serve as replicas of a Ray Serve deployment")
+    ray.add_argument("--replicas", type=_positive(int), default=None, help="a fixed number of replicas (default 1)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (>= 0)")
+    ray.add_argument("--max-replicas", type=_positive(int), default=None, help="autoscaling: most replicas")
+    ray.add_argument(
+        "--target-ongoing-requests", type=_positive(float), default=None, help="autoscaling: requests per replica"
+    )
+    ray.add_argument("--ray-address", default=None, help="join a cluster (ray start --head ...); default: local")
     return p
 
 
+RAY_OPTIONS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "ray_address")
+
+
 def server_config(args: argparse.Namespace):
-    from specdecode.serve.state import ServerConfig
 
     engine = EngineConfig(
         max_batch=args.max_batch, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk, max_queue=args.max_queue
@@ -107,26 +119,27 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    ray_only = [f"--{n.replace('_', '-')}" for n in RAY_OPTIONS if getattr(args, n) is not None]
+    if ray_only and not args.ray:
+        raise ConfigError(f"{', '.join(ray_only)} need --ray")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.log_level != "error":  # say when the model is ready and under which id, whatever uvicorn logs
+        logging.getLogger("specdecode.serve").setLevel(logging.INFO)
+    config = server_config(args)
+    source = ModelSource(args.target, args.draft, args.method, args.dtype, args.backend)
+    if args.ray:
+        from specdecode.serve.ray_app import RayScaling, import_ray, run_on_ray
+
+        import_ray()  # the one-line error before anything starts
+        scaling = RayScaling(args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests)
+        return run_on_ray(source, config, scaling, args)
     import torch
 
-    from specdecode.models.loading import load_model
     from specdecode.runtime import free_cores
     from specdecode.serve.app import create_app
 
     torch.set_num_threads(args.threads or free_cores())
-    config = server_config(args)
-
-    def load() -> tuple[Any, Any]:
-        target = load_model(args.target, dtype=args.dtype, backend=args.backend)
-        draft = None
-        if args.draft is not None:
-            draft = load_model(args.draft, dtype=args.dtype) if args.method in ("draft", "xtok") else args.draft
-        return target, draft
-
-    app = create_app(load, config)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.log_level != "error":  # say when the model is ready and under which id, whatever uvicorn logs
-        logging.getLogger("specdecode.serve").setLevel(logging.INFO)
+    app = create_app(source, config)
     uv = uvicorn.Config(
         app,
         host=args.host,

@@ -63,6 +63,26 @@ class ServerConfig:
 Loader = Callable[[], tuple[LoadedModel, Any]]  # -> (target, draft model or None)
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a server's models come from (a picklable loader: Ray ships it to every replica)."""
+
+    target: str | None = None  # None: the embedded default model
+    draft: str | None = None  # a draft model (methods draft, xtok) or a trained head folder
+    method: str = "auto"
+    dtype: str = "float32"
+    backend: str = "auto"
+
+    def __call__(self) -> tuple[LoadedModel, Any]:
+        from specdecode.models.loading import load_model
+
+        target = load_model(self.target, dtype=self.dtype, backend=self.backend)
+        draft: Any = self.draft
+        if self.draft is not None and self.method in ("draft", "xtok"):
+            draft = load_model(self.draft, dtype=self.dtype)
+        return target, draft
+
+
 class ServerState:
     """One server's model, worker and metrics; ``status`` moves loading -> ready -> draining."""
 
