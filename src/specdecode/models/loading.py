@@ -88,6 +88,11 @@ def resolve_model_dir(path: str | os.PathLike | None) -> Path:
     """A transformers folder for ``path``: None means the embedded default model."""
     if path is None:
         return convert_gguf(default_gguf_path())
+    from specdecode.models.catalog import resolve
+
+    named = resolve(str(path))  # a catalog name (qwen2.5-coder-1.5b ...): its pulled file
+    if named is not None:
+        return convert_gguf(named)
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelLoadError(f"model path not found: {p}")
