@@ -100,3 +100,13 @@ def test_demo_runs_the_default_method_and_matches_plain():
     proc = run_cli("demo", "--max-new-tokens", "24", "--threads", "1")
     assert proc.returncode == 0, proc.stderr
     assert "identical tokens: True" in proc.stdout and "k=4 output" in proc.stdout
+
+
+def test_demo_takes_another_target_and_draft(tmp_path):
+    save_tiny_llama(tmp_path / "tiny")
+    tiny = str(tmp_path / "tiny")
+    proc = run_cli(
+        "demo", "--target", tiny, "--method", "draft", "--draft", tiny, "--prompt", "abc abc", "--max-new-tokens", "8"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert tiny in proc.stdout and "identical tokens: True" in proc.stdout and "draft k=4 output" in proc.stdout

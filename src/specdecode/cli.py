@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="default auto: the best drafter shipped for the model, else n-gram lookup",
     )
+    demo.add_argument(
+        "--target", default=None, help="a model name (specdecode models list) or path (default: the embedded one)"
+    )
+    demo.add_argument("--draft", default=None, help="the draft model of --method draft (a name or a path)")
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
     _conformance_parser(sub)

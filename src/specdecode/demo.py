@@ -26,15 +26,19 @@ def run_demo(args: argparse.Namespace) -> int:
     from specdecode.runtime import set_threads
 
     console = Console()
-    console.print("[bold]specdecode demo[/bold]: SmolLM2-135M-Instruct (embedded), greedy decoding")
+    name = args.target or "SmolLM2-135M-Instruct (embedded)"
+    console.print(f"[bold]specdecode demo[/bold]: {name}, greedy decoding")
     threads = set_threads(args.threads)
-    target = load_model(None, dtype=args.dtype)
+    target = load_model(args.target, dtype=args.dtype)
     backend = getattr(target.model, "backend", "?")
     console.print(f"backend: {backend}, dtype: {args.dtype}, threads: {threads}")
     console.print("prompt:", style="dim")
     console.print(args.prompt or DEMO_PROMPT, markup=False, highlight=False)
     plain = SpeculativeGenerator(target, method="none")
-    spec = SpeculativeGenerator(target, method=args.method, k=args.k)
+    draft = args.draft
+    if draft is not None and args.method in ("draft", "xtok"):
+        draft = load_model(draft, dtype=args.dtype)  # a name (qwen2.5-coder-0.5b) or a path
+    spec = SpeculativeGenerator(target, method=args.method, k=args.k, draft=draft)
     plain.generate("warm up", max_new_tokens=4)  # first-call allocations stay out of the timing
     prompt = args.prompt or DEMO_PROMPT
     runs = {"plain": plain.generate(prompt, max_new_tokens=args.max_new_tokens)}
