@@ -21,6 +21,7 @@ import uvicorn
 from specdecode.engine import EngineConfig
 from specdecode.errors import ConfigError
 from specdecode.methods import method_names
+from specdecode.models.catalog import CATALOG
 from specdecode.serve.state import ModelSource, ServerConfig
 
 
@@ -101,7 +102,7 @@ def server_config(args: argparse.Namespace):
         max_batch=args.max_batch, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk, max_queue=args.max_queue
     )
     return ServerConfig(
-        model_name=args.model_name,
+        model_name=args.model_name or (args.target if args.target in CATALOG else None),  # a catalog name as given
         method=args.method,
         k=args.k,
         k_max=args.k_max,
