@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -147,11 +148,30 @@ def test_a_killed_replica_is_replaced_and_the_other_requests_complete(ray_serve)
             break
         assert time.monotonic() < deadline, f"no replacement replica: {status}"
         time.sleep(0.5)
-    seen = set()
-    for _ in range(40):
-        code, _, replica = _complete(ray_serve, {**body, "max_tokens": 4})
-        assert code == 200
-        seen.add(replica)
-        if len(seen) == 2:
-            break
+    seen: set = set()
+    deadline = time.monotonic() + 60
+    while len(seen) < 2 and time.monotonic() < deadline:  # the proxy learns of the new replica
+        with ThreadPoolExecutor(4) as pool:
+            wave = list(pool.map(lambda _: _complete(ray_serve, {**body, "max_tokens": 24}), range(4)))
+        assert all(code == 200 for code, _, _ in wave)
+        seen |= {replica for _, _, replica in wave}
+        time.sleep(0.5)
     assert killed not in seen and len(seen) == 2
+
+
+def test_an_autoscaled_deployment_starts_at_its_minimum_and_serves(ray_serve, tiny_model_dir):
+    from ray import serve
+
+    from specdecode.serve.ray_app import APP, RayScaling, application
+    from specdecode.serve.state import ModelSource, ServerConfig
+
+    scaling = RayScaling(min_replicas=1, max_replicas=2, target_ongoing_requests=4)
+    config = ServerConfig(model_name="tiny", method="ngram")
+    serve.delete(APP)  # a fresh application starts at min_replicas (an updated one keeps its count)
+    serve.run(application(ModelSource(str(tiny_model_dir)), config, scaling, 1), name=APP, route_prefix="/")
+    status = serve.status().applications[APP].deployments[APP]
+    assert status.replica_states.get("RUNNING", 0) == 1
+    code, answer, replica = _complete(
+        ray_serve, {"model": "tiny", "prompt": "scale", "max_tokens": 5, "temperature": 0}
+    )
+    assert code == 200 and replica and answer["usage"]["completion_tokens"] == 5
