@@ -212,12 +212,12 @@ def run_on_ray(source: ModelSource, config: ServerConfig, scaling: RayScaling, a
         ray.init(namespace=NAMESPACE, include_dashboard=False)
     cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
     threads = args.threads or default_threads(cpus, scaling.most())
+    stop = threading.Event()  # ours, set before deploying: a SIGTERM mid-deploy still drains, exit 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     hub = start_hub(ray)  # noqa: F841  (held for the server's lifetime)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(application(source, config, scaling, threads), name=APP, route_prefix="/")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     log.info(
         "ready on Ray: http://%s:%d/v1 (%s, %d threads per replica)", args.host, args.port, _describe(scaling), threads
     )
