@@ -715,12 +715,9 @@ class EngineTarget:
 # -- prompts ------------------------------------------------------------------------------------
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text``, with the chat template when the tokenizer has one."""
-    if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(out["input_ids"])
-    return list(tokenizer.encode(text))
+    from specdecode.api import encode_prompt as encode
+
+    return encode(tokenizer, text)
 
 
 def sample_items(items: list[WorkItem], n: int, seed: int) -> list[WorkItem]:

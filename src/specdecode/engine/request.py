@@ -289,10 +289,8 @@ class Request:
         t = time.perf_counter()
         if self.tree is None:
             committed, drafted, accepted = self._accept_chain(logits)
-            rows = logits  # row i holds committed token i's law
         else:
             committed, drafted, accepted = self._accept_tree(logits)
-            rows = logits[self.path[: len(committed)]]
         m = self.metrics
         m.verify_s += verify_s + time.perf_counter() - t
         m.record_round(drafted, accepted, len(committed))
@@ -302,6 +300,8 @@ class Request:
         self.context.extend(committed)
         event = self.output.add(committed)
         if self.config.logprobs is not None and event.token_ids:
+            # committed token i's law: row i of a chain, the i-th node of the accepted tree path
+            rows = logits if self.tree is None else logits[self.path[: len(committed)]]
             event = replace(event, logprobs=token_logprobs(rows, event.token_ids, self.config.logprobs))
         if m.ttft_s == 0.0:
             m.ttft_s = time.perf_counter() - self.arrival
