@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from specdecode.core.dtypes import DTYPE_CHOICES
 from specdecode.errors import SpecDecodeError
 from specdecode.methods import TRAINED, method_names
 
@@ -48,7 +49,7 @@ def _probability(text: str) -> float:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="transformers folder or .gguf file (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
 
@@ -141,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--target", default=None, help="a model name (specdecode models list) or path (default: the embedded one)"
     )
     demo.add_argument("--draft", default=None, help="the draft model of --method draft (a name or a path)")
-    demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
     _conformance_parser(sub)
     sub.add_parser("bench-decode", help="plain decode speed vs transformers (see --help)", add_help=False)

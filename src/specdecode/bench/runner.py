@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.workload import WorkItem, default_workload_path, groups_in_order, load_workload, select
+from specdecode.core.dtypes import DTYPE_CHOICES
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import CONFIDENCE_METHODS, METHODS, method_spec
 
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft model for method 'draft'")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument(
         "--methods",
@@ -596,9 +597,10 @@ def _hf_model(target: Any, dtype: str) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdecode.models.loading import DTYPES
+    from specdecode.models.loading import DTYPES, transformers_dir
 
-    return AutoModelForCausalLM.from_pretrained(target.source, dtype=DTYPES.get(dtype, torch.float32)).eval()
+    folder = transformers_dir(target.source)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES.get(dtype, torch.float32)).eval()
 
 
 def _run_one(

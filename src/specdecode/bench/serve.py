@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from specdecode.bench.workload import WorkItem, default_workload_path, load_workload
+from specdecode.core.dtypes import DTYPE_CHOICES
 from specdecode.engine.policy import BatchTableK
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import METHODS
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workload", default=None, help=f"JSONL file (default: {default_workload_path()})")
     p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", default=None, help="torch CPU threads (default: free cores; 1 with --quick)")
     p.add_argument(

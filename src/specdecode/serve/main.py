@@ -18,6 +18,7 @@ from typing import Any
 
 import uvicorn
 
+from specdecode.core.dtypes import DTYPE_CHOICES
 from specdecode.engine import EngineConfig
 from specdecode.errors import ConfigError
 from specdecode.methods import method_names
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specdecode serve", description="An OpenAI-compatible server on the batched speculative engine.")
     p.add_argument("--target", default=None, help="transformers folder or .gguf (default: embedded SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft model (method draft) or trained head folder")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", type=_positive(int), default=None, help="torch CPU threads (default: free cores)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the model file's name)")

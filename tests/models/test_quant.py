@@ -1,0 +1,148 @@
+"""Weight-only int8/int4 matrices: each kernel against a plain dequantize-then-matmul reference,
+row invariance (any split of the rows gives bitwise the same result), fallbacks, and models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.models import quant
+from specdecode.models.kernels import RowPlan
+from specdecode.models.native import NativeCausalLM
+from specdecode.models.quant import QuantMatrix, quant_linear, quantize_matrix
+
+# Stated tolerance: the kernel's result against bf16 rows times the dequantized matrix in float32,
+# relative (Frobenius) error. bf16 outputs alone account for ~4e-3.
+KERNEL_RTOL = 1e-2
+
+
+def _grid_matrix(out: int, inp: int, levels: int = 16, seed: int = 0) -> torch.Tensor:
+    """A matrix already on a 4-bit grid per group of 32 (like a GGUF Q4 tensor): int4 keeps it."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, levels, (out, inp), generator=g).float()
+    scale = torch.rand(out, inp // 32, generator=g).repeat_interleave(32, 1) * 0.02 + 0.001
+    offset = torch.randn(out, inp // 32, generator=g).repeat_interleave(32, 1) * 0.05
+    return q * scale + offset
+
+
+def _reference(m: QuantMatrix, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if m.kind == "int8":
+        deq = quant.dequantize_int8(*quant.quantize_int8(w))
+    else:
+        deq = quant.dequantize_int4(*quant.quantize_int4(w))
+    return x.to(quant.ACT).float() @ deq.t()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (192, 576), (160, 96), (1024, 256)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 17])
+def test_kernel_matches_dequantized_reference(kind, shape, rows):
+    w = _grid_matrix(*shape)
+    m = quantize_matrix(w, kind)
+    assert isinstance(m, QuantMatrix) and m.kind == kind and m.shape == shape
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+    y = m(x)
+    assert y.shape == (rows, shape[0]) and y.dtype == quant.ACT
+    assert _rel(y, _reference(m, w, x)) < KERNEL_RTOL
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_rows_do_not_depend_on_their_call(kind):
+    """A row alone, inside any chunking, and inside one call: bitwise the same (1-token decode
+    equals a k-token verify)."""
+    w = _grid_matrix(256, 128)
+    m = quantize_matrix(w, kind)
+    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(3))
+    whole = m._mm(x.to(quant.ACT))
+    for r in range(11):
+        assert torch.equal(m._mm(x[r : r + 1].to(quant.ACT))[0], whole[r])
+    for costs in (((1, 1.0), (4, 1.2)), ((1, 1.0), (2, 1.1), (3, 1.3), (8, 4.0))):
+        m.plan = RowPlan(costs)
+        assert sum(m.plan.split(11)) == 11 and len(m.plan.split(11)) > 1
+        assert torch.equal(m(x), whole)
+
+
+def test_int4_falls_back_to_int8_where_it_cannot_run_or_would_lose_the_matrix():
+    assert quantize_matrix(_grid_matrix(16, 32), "int4").kind == "int4"
+    assert quantize_matrix(_grid_matrix(24, 32), "int4").kind == "int8"  # out not a multiple of 16
+    assert quantize_matrix(torch.randn(16, 40), "int4").kind == "int8"  # in not whole groups
+    # Values far from a 16-level grid (an 8-bit source): int4 would cost ~8%, so int8 keeps them.
+    assert quantize_matrix(torch.randn(64, 64), "int4").kind == "int8"
+
+
+def test_missing_kernels_fall_back_cleanly(monkeypatch):
+    w = _grid_matrix(32, 64)
+    x = torch.randn(3, 64)
+    monkeypatch.setattr(quant, "kernel_available", lambda kind: kind == "int8")
+    assert quantize_matrix(w, "int4").kind == "int8"
+    monkeypatch.setattr(quant, "kernel_available", lambda kind: False)
+    dense = quantize_matrix(w, "int4")
+    assert isinstance(dense, torch.Tensor) and dense.dtype == quant.ACT
+    assert _rel(quant_linear(x, dense, None), x @ w.t()) < KERNEL_RTOL
+
+
+def test_kernel_probe_answers_for_unknown_kinds():
+    assert quant.kernel_available("int8") in (True, False)
+    assert quant.kernel_available("int3") is False
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    from test_native import make_checkpoint
+
+    folder, _ = make_checkpoint(tmp_path, "qwen2-qkv-bias")
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_model_tracks_float_logits(tiny, kind):
+    fp32 = NativeCausalLM.from_pretrained(tiny)
+    q = NativeCausalLM.from_pretrained(tiny, dtype=torch.bfloat16, quant=kind)
+    assert q.quant == kind and q.kernels()
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    ref = fp32.forward(ids, fp32.new_cache(12))
+    got = q.forward(ids, q.new_cache(12))
+    # Random tiny weights are not on a 4-bit grid: int4 falls back to int8 there (see above).
+    assert _rel(got, ref) < 0.05
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_rows_of_different_lengths_match_forwards_alone(tiny, kind):
+    native = NativeCausalLM.from_pretrained(tiny, dtype=torch.bfloat16, quant=kind)
+    g = torch.Generator().manual_seed(6)
+    prefixes = [torch.randint(0, 96, (1, n), generator=g) for n in (0, 9, 3)]
+    news = [torch.randint(0, 96, (n,), generator=g) for n in (6, 4, 1)]
+    alone, caches = [], []
+    for prefix, new in zip(prefixes, news):
+        cache = native.new_cache(4)
+        if prefix.shape[1]:
+            native.forward(prefix, cache)
+        alone.append(native.forward(new[None], cache))
+        caches.append(cache)
+        cache.trim(prefix.shape[1])
+    for got, want in zip(native.forward_rows(news, caches), alone):
+        assert torch.equal(got, want)
+
+
+def test_quantized_dtype_needs_bf16_activations(tiny):
+    from specdecode.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="int4 matrices take"):
+        NativeCausalLM.from_pretrained(tiny, dtype=torch.float32, quant="int4")
+
+
+def test_load_model_refuses_quantized_transformers_backend(tiny):
+    from specdecode.errors import ModelLoadError
+    from specdecode.models.loading import load_model
+
+    with pytest.raises(ModelLoadError, match="native backend only"):
+        load_model(tiny, dtype="int8", backend="transformers")
+    with pytest.raises(ModelLoadError, match="unknown dtype 'int3'"):
+        load_model(tiny, dtype="int3")
