@@ -133,7 +133,9 @@ def quantize_matrix(w: torch.Tensor, kind: str) -> QuantMatrix | torch.Tensor:
 
 
 def _int4(shape: tuple[int, int], q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> QuantMatrix:
-    packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.to(torch.int32), 1) for b in q.split(ROW_BLOCK)])
+    packed = torch.cat(
+        [torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.to(torch.int32), 1) for b in q.split(ROW_BLOCK)]
+    )
     scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [in / group, out, 2]
     return QuantMatrix("int4", shape, (packed, scale_zero))
 
