@@ -37,3 +37,26 @@ def test_curve_models_add_a_batched_attention_bf16_sharing_weights():
 def test_agreement_stops_at_eos_and_reports_divergence():
     got = agreement([[1, 2, 9, 4], [1, 2, 3]], [[1, 2, 9, 7], [1, 5, 3]], stop=(9,))
     assert got == {"identical": 1, "of": 2, "first_divergence": [1]}
+
+
+def test_ops_and_matrix_bytes_count_float_and_quantized_models(tmp_path):
+    import torch
+
+    from specdecode.bench.decode import matrix_bytes, ops_per_token
+    from specdecode.models.native import NativeCausalLM
+    from models.test_native import make_checkpoint
+
+    folder, _ = make_checkpoint(tmp_path, "qwen2-qkv-bias")
+    fp32 = NativeCausalLM.from_pretrained(folder)
+    int4 = NativeCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quant="int4")
+    assert ops_per_token(fp32) > 10 and ops_per_token(int4) > 10
+    assert 0 < matrix_bytes(int4) < matrix_bytes(fp32)
+
+
+def test_bad_dtype_list_and_missing_llama_bench_are_reported(tmp_path, capsys):
+    from specdecode.bench.decode import llama_bench, parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--dtypes", "fp32,int3"])
+    assert "unknown dtype 'int3'" in capsys.readouterr().err
+    assert "not a GGUF" in llama_bench("/nonexistent/llama-bench", tmp_path, 1, 4)["error"]

@@ -10,7 +10,9 @@ floor and peak RSS. Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,6 +30,9 @@ Runner = Callable[[list[int], int], list[int]]  # (prompt ids, new tokens) -> ge
 K_VALUES = (1, 2, 4, 8, 16, 32)
 CURVE_CONTEXT = 200  # cached tokens under the forward-cost curve
 BATCH_SIZES = (4, 16)  # sequences per forward for the batched-throughput rows
+NATIVE_DTYPES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None)} | {
+    q: (torch.bfloat16, q) for q in ("int8", "int4")
+}
 
 
 @dataclass
@@ -61,8 +66,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1 prompt per category, 32 tokens, no compile")
     p.add_argument("--compile", action="store_true", help="also time torch.compile variants (slow to build)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--model", default=None, help="transformers folder or GGUF (default: embedded SmolLM2)")
+    p.add_argument("--model", default=None, help="GGUF, catalog name or transformers folder (default: SmolLM2)")
+    p.add_argument("--dtypes", default="fp32,bf16,int8,int4", help="native variants, comma-separated")
+    p.add_argument("--no-transformers", action="store_true", help="skip transformers generate (large models)")
+    p.add_argument("--llama-bench", default=None, help="path of a llama-bench binary: llama.cpp on the same GGUF")
+    p.add_argument("--skip-batched", action="store_true", help="skip the continuous-batching rows")
     args = p.parse_args(argv)
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    unknown = [d for d in args.dtypes if d not in NATIVE_DTYPES]
+    if unknown:
+        p.error(f"unknown dtype {unknown[0]!r} in --dtypes; choose from {', '.join(NATIVE_DTYPES)}")
     args.prompts_per_category = args.prompts_per_category or (1 if args.quick else 2)
     args.max_new_tokens = args.max_new_tokens or (32 if args.quick else 128)
     return args
@@ -127,15 +140,18 @@ def native_runner(model: Any) -> Runner:
     return run
 
 
-def llama_cpp_runner(threads: int) -> Runner | None:
-    """llama.cpp on the shipped GGUF (quantised, so a speed reference only), or None if not installed."""
+def llama_cpp_runner(threads: int, model_dir: Path) -> Runner | None:
+    """llama.cpp (the ``llama-cpp-python`` extra) on the same GGUF, or None if either is missing."""
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
-    from specdecode.models.loading import default_gguf_path
+    from specdecode.models.loading import gguf_source
 
-    llm = Llama(model_path=str(default_gguf_path()), n_ctx=4096, n_threads=threads, verbose=False)
+    gguf = gguf_source(model_dir)
+    if gguf is None:
+        return None
+    llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, verbose=False)
 
     def run(ids: list[int], n: int) -> list[int]:
         out: list[int] = []
@@ -150,17 +166,21 @@ def llama_cpp_runner(threads: int) -> Runner | None:
 
 def build_variants(args: argparse.Namespace, model_dir: Path, threads: int) -> tuple[dict[str, Runner], dict]:
     """Runners by name, plus the loaded native models (for the forward curve and the floor)."""
+    from specdecode.models.loading import transformers_dir
     from specdecode.models.native import NativeCausalLM
 
-    runners: dict[str, Runner] = {"transformers fp32": hf_runner(model_dir)}
+    runners: dict[str, Runner] = {}
+    if not args.no_transformers:
+        runners["transformers fp32"] = hf_runner(transformers_dir(model_dir))
     natives: dict[str, Any] = {}
-    for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        natives[label] = NativeCausalLM.from_pretrained(model_dir, dtype=dtype)
+    for label in args.dtypes:
+        dtype, quant = NATIVE_DTYPES[label]
+        natives[label] = NativeCausalLM.from_pretrained(model_dir, dtype=dtype, quant=quant)
         runners[f"native {label}"] = native_runner(natives[label])
-        if args.compile and not args.quick:
+        if args.compile and not args.quick and quant is None:
             compiled = NativeCausalLM.from_pretrained(model_dir, dtype=dtype, compile=True)
             runners[f"native {label} compiled"] = native_runner(compiled)
-    llama = llama_cpp_runner(threads)
+    llama = llama_cpp_runner(threads, model_dir)
     if llama is not None:
         runners["llama.cpp (GGUF)"] = llama
     return runners, natives
@@ -232,20 +252,6 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
-def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
-    """Bytes of weights read per decode step: every parameter once (a tied matrix once)."""
-    from specdecode.models.native import NativeConfig, read_config
-
-    c = NativeConfig.from_dict(read_config(model_dir))
-    attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
-    per_layer = attn + 3 * c.hidden_size * c.intermediate_size
-    head = c.vocab_size * c.hidden_size
-    params = c.num_layers * per_layer + head * (1 if c.tie_word_embeddings else 2)
-    # The input embedding is a row gather, not a full read, so only the output head counts.
-    read = params - (0 if c.tie_word_embeddings else head)
-    return read * torch.finfo(dtype).bits // 8
-
-
 def agreement(a: list[list[int]], b: list[list[int]], stop: tuple[int, ...] = ()) -> dict[str, Any]:
     """How many prompts decode to identical tokens, and where the others first diverge.
 
@@ -271,17 +277,89 @@ def _divergence(a: list[int], b: list[int]) -> int | None:
 # -- report -------------------------------------------------------------------------------------
 
 
+def llama_bench(binary: str, model_dir: Path, threads: int, n: int, prompt: int = 256) -> dict[str, Any]:
+    """llama.cpp's own benchmark on the same GGUF and thread count: decode (tg) and prefill (pp) tok/s."""
+    import os
+    import subprocess
+
+    from specdecode.models.loading import gguf_source
+
+    gguf = gguf_source(model_dir)
+    if gguf is None:
+        return {"error": "the model is not a GGUF file"}
+    env = dict(os.environ, LD_LIBRARY_PATH=str(Path(binary).resolve().parent))
+    cmd = [binary, "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(n), "-r", "3", "-o", "json"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=True)
+        rows = json.loads(done.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    out: dict[str, Any] = {"command": " ".join(cmd)}
+    for row in rows:
+        key = "tg_tok_s" if row.get("n_gen") else "pp_tok_s"
+        out[key] = float(row["avg_ts"])
+    return out
+
+
+def ops_per_token(model: Any, context: int = 32) -> int:
+    """ATen ops dispatched by one 1-token decode forward (after a ``context``-token prefill)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    cache = model.new_cache(context + 1)
+    model.forward(torch.zeros(1, context, dtype=torch.long), cache)
+    with Count():
+        model.forward(torch.zeros(1, 1, dtype=torch.long), cache)
+    return Count.n
+
+
+def matrix_bytes(model: Any) -> int:
+    """Bytes of matrices one decode step reads (every layer matrix and the output head)."""
+    from specdecode.models.native import LayerWeights
+    from specdecode.models.quant import QuantMatrix
+
+    def size(m: Any) -> int:
+        return m.nbytes if isinstance(m, QuantMatrix) else m.numel() * m.element_size()
+
+    w = model.weights
+    names = [f.name for f in dataclasses.fields(LayerWeights) if f.name.startswith("w")]
+    return sum(size(getattr(layer, n)) for layer in w.layers for n in names) + size(w.lm_head)
+
+
 def render(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(stderr=True)
+    console.print(f"host: {result['host']}, {result['threads']} threads")
     table = Table(title=f"Plain greedy decode, {result['prompts']} prompts x {result['max_new_tokens']} tokens")
-    for col in ("variant", "tok/s", "vs transformers"):
+    for col in ("variant", "tok/s (prefill incl.)", f"vs {result['baseline']}", "decode only tok/s", "vs llama.cpp"):
         table.add_column(col, justify="right" if col != "variant" else "left")
+    llama = result.get("llama_cpp") or {}
     for name, tps in result["tok_s"].items():
-        table.add_row(name, f"{tps:.1f}", f"{result['speedup_vs_transformers'][name]:.2f}x")
+        label = name.removeprefix("native ")
+        dec = result["decode_only_tok_s"].get(label) if name.startswith("native ") else None
+        vs = result.get("vs_llama_cpp_decode", {}).get(label)
+        table.add_row(
+            name,
+            f"{tps:.1f}",
+            f"{result['speedup_vs_baseline'][name]:.2f}x",
+            "" if dec is None else f"{dec:.1f}",
+            "" if vs is None else f"{vs:.2f}x",
+        )
+    if "tg_tok_s" in llama:
+        table.add_row("llama.cpp (llama-bench)", "", "", f"{llama['tg_tok_s']:.1f}", "1.00x")
     console.print(table)
+    if llama.get("error"):
+        console.print(f"llama-bench: {llama['error']}")
+    elif "pp_tok_s" in llama:
+        console.print(f"llama.cpp prefill {llama['pp_tok_s']:.0f} tok/s ({llama['command']})")
     curve = Table(title=f"Native forward cost over k new tokens ({CURVE_CONTEXT}-token cache), ratio to k=1")
     curve.add_column("dtype")
     curve.add_column("k=1 ms", justify="right")
@@ -290,19 +368,23 @@ def render(result: dict[str, Any]) -> None:
     for label, c in result["forward_curve"].items():
         curve.add_row(label, f"{c['k1_ms']:.2f}", *(f"{c['ratio'][k]:.2f}" for k in K_VALUES[1:]))
     console.print(curve)
-    batch = Table(title="Continuous batching (all prompts, plain greedy), aggregate tok/s")
-    batch.add_column("dtype")
-    for size in BATCH_SIZES:
-        batch.add_column(f"batch {size}", justify="right")
-    for label, row in result["batched_tok_s"].items():
-        batch.add_row(label, *(f"{row[size]:.1f}" for size in BATCH_SIZES))
-    console.print(batch)
+    if result["batched_tok_s"]:
+        batch = Table(title="Continuous batching (all prompts, plain greedy), aggregate tok/s")
+        batch.add_column("dtype")
+        for size in BATCH_SIZES:
+            batch.add_column(f"batch {size}", justify="right")
+        for label, row in result["batched_tok_s"].items():
+            batch.add_row(label, *(f"{row[size]:.1f}" for size in BATCH_SIZES))
+        console.print(batch)
     floor = result["floor"]
-    console.print(
-        f"bandwidth {floor['copy_gbs']:.1f} GB/s (copy, read+write): floor "
-        f"{floor['fp32_ms']:.1f} ms/token fp32, {floor['bf16_ms']:.1f} ms/token bf16; "
-        f"peak RSS {result['peak_rss_mb']:.0f} MiB"
+    per = ", ".join(
+        f"{label} {mb:.0f} MB -> {floor['floor_ms'][label]:.1f} ms ({result['ops_per_token'][label]} ops/token)"
+        for label, mb in floor["matrix_mb"].items()
     )
+    console.print(f"bandwidth {floor['copy_gbs']:.1f} GB/s (copy, read+write); matrices per token: {per}")
+    console.print(f"peak RSS {result['peak_rss_mb']:.0f} MiB")
+    for label, kernels in result["kernels"].items():
+        console.print(f"kernels {label}: " + "; ".join(f"{k}: {v}" for k, v in kernels.items()))
     for pair, agree in result["agreement"].items():
         console.print(
             f"{pair}: {agree['identical']}/{agree['of']} identical, first divergence {agree['first_divergence']}"
@@ -316,34 +398,79 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     from specdecode.models.loading import load_tokenizer, resolve_model_dir
 
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model_dir(args.model, weights=False)
     prompts = load_prompts(args.workload, args.prompts_per_category, load_tokenizer(model_dir))
     runners, natives = build_variants(args, model_dir, threads)
     timings = run_interleaved(runners, prompts, args.max_new_tokens)
-    base = timings["transformers fp32"].tok_s
+    base_name = "transformers fp32" if "transformers fp32" in timings else next(iter(timings))
+    base = timings[base_name].tok_s
     reps = 5 if args.quick else 15
+    llama = llama_bench(args.llama_bench, model_dir, threads, args.max_new_tokens) if args.llama_bench else None
     result = {
         "bench": "decode",
         "model": str(model_dir),
+        "host": host_description(),
         "threads": threads,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "tok_s": {name: t.tok_s for name, t in timings.items()},
-        "speedup_vs_transformers": {name: t.tok_s / base for name, t in timings.items()},
-        "forward_curve": {label: forward_curve(m, reps) for label, m in _curve_models(natives).items()},
-        "batched_tok_s": {label: batch_throughput(m, prompts, args.max_new_tokens) for label, m in natives.items()},
-        "floor": _floor(model_dir),
-        "agreement": {
-            "native bf16 vs fp32": agreement(timings["native fp32"].tokens, timings["native bf16"].tokens),
-            "native fp32 vs transformers": agreement(
-                timings["native fp32"].tokens, timings["transformers fp32"].tokens, _eos_ids(model_dir)
-            ),
+        "baseline": base_name,
+        "speedup_vs_baseline": {name: t.tok_s / base for name, t in timings.items()},
+        "decode_only_tok_s": {
+            label: decode_only_tok_s(m, prompts[0].ids, args.max_new_tokens) for label, m in natives.items()
         },
+        "llama_cpp": llama,
+        "forward_curve": {label: forward_curve(m, reps) for label, m in _curve_models(natives).items()},
+        "batched_tok_s": {}
+        if args.skip_batched
+        else {label: batch_throughput(m, prompts, args.max_new_tokens) for label, m in natives.items()},
+        "ops_per_token": {label: ops_per_token(m) for label, m in natives.items()},
+        "kernels": {label: m.kernels() for label, m in natives.items()},
+        "floor": _floor(natives),
+        "agreement": _agreements(timings, model_dir),
         "peak_rss_mb": peak_rss_mb(),
     }
+    if llama and "tg_tok_s" in llama:
+        result["vs_llama_cpp_decode"] = {k: v / llama["tg_tok_s"] for k, v in result["decode_only_tok_s"].items()}
     render(result)
     print(json.dumps(result))
     return 0
+
+
+def decode_only_tok_s(model: Any, ids: list[int], n: int) -> float:
+    """Tokens per second of 1-token decode steps alone (prefill excluded), as llama-bench's tg."""
+    cache = model.new_cache(len(ids) + n + 1)
+    logits = model.forward(torch.tensor([ids]), cache)
+    tok = int(logits[0, -1].argmax())
+    t = time.perf_counter()
+    for _ in range(n):
+        tok = int(model.forward(torch.tensor([[tok]]), cache)[0, -1].argmax())
+    return n / (time.perf_counter() - t)
+
+
+def host_description() -> str:
+    """CPU model and the vector/matrix extensions torch may use, for every recorded figure."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability()
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = set(next((ln.split(":", 1)[1] for ln in info.splitlines() if ln.startswith("flags")), "").split())
+    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
+    return f"{model}; {len(os.sched_getaffinity(0))} cores; {' '.join(ext)}; torch {torch.__version__}"
+
+
+def _agreements(timings: dict[str, Timing], model_dir: Path) -> dict[str, Any]:
+    out = {}
+    if "native fp32" in timings:
+        for other in ("native bf16", "native int8", "native int4"):
+            if other in timings:
+                out[f"{other} vs fp32"] = agreement(timings["native fp32"].tokens, timings[other].tokens)
+        if "transformers fp32" in timings:
+            out["native fp32 vs transformers"] = agreement(
+                timings["native fp32"].tokens, timings["transformers fp32"].tokens, _eos_ids(model_dir)
+            )
+    return out
 
 
 def _curve_models(natives: dict[str, Any]) -> dict[str, Any]:
@@ -351,6 +478,8 @@ def _curve_models(natives: dict[str, Any]) -> dict[str, Any]:
     to 1-token decoding; the exact default runs verify attention row by row)."""
     from specdecode.models.native import NativeCausalLM
 
+    if "bf16" not in natives:
+        return dict(natives)
     bf16 = natives["bf16"]
     batched = NativeCausalLM(bf16.config, bf16.weights, bf16.dtype, row_exact=False)
     return {**natives, "bf16 batched attention": batched}
@@ -363,10 +492,11 @@ def _eos_ids(model_dir: Path) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
-def _floor(model_dir: Path) -> dict[str, float]:
+def _floor(natives: dict[str, Any]) -> dict[str, Any]:
+    """Copy bandwidth and, per variant, the matrix bytes a decode step reads and the time floor."""
     gbs = copy_bandwidth_gbs()
-    fp32, bf16 = weight_bytes(model_dir, torch.float32), weight_bytes(model_dir, torch.bfloat16)
-    return {"copy_gbs": gbs, "weight_mb_fp32": fp32 / 1e6, "fp32_ms": fp32 / gbs / 1e6, "bf16_ms": bf16 / gbs / 1e6}
+    mb = {label: matrix_bytes(m) / 1e6 for label, m in natives.items()}
+    return {"copy_gbs": gbs, "matrix_mb": mb, "floor_ms": {label: v / gbs for label, v in mb.items()}}
 
 
 if __name__ == "__main__":
