@@ -41,10 +41,10 @@ def test_agreement_stops_at_eos_and_reports_divergence():
 
 def test_ops_and_matrix_bytes_count_float_and_quantized_models(tmp_path):
     import torch
+    from models.test_native import make_checkpoint
 
     from specdecode.bench.decode import matrix_bytes, ops_per_token
     from specdecode.models.native import NativeCausalLM
-    from models.test_native import make_checkpoint
 
     folder, _ = make_checkpoint(tmp_path, "qwen2-qkv-bias")
     fp32 = NativeCausalLM.from_pretrained(folder)

@@ -198,3 +198,37 @@ def test_real_model_quantized_logits_close_to_float(kind):
         assert _rel(got, want) < 0.08, text
         same += int(got.argmax()) == int(want.argmax())
     assert same >= 9
+
+
+def test_grid_search_keeps_a_4bit_grid_that_does_not_span_min_to_max():
+    """Q4_K picks its scales by search: a block's levels may run 2..13, not 0..15. Re-gridding
+    min..max in 15 steps would move every value; finding the block's own grid keeps them."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(2, 14, (64, 128), generator=g).float()
+    q[:, ::32] = 2.0  # every group spans 2..13 exactly
+    q[:, 1::32] = 13.0
+    scale = torch.rand(64, 4, generator=g).repeat_interleave(32, 1) * 0.01 + 0.001
+    w = q * scale - 0.03
+    assert _rel(quant.dequantize_int4(*quant.quantize_int4(w)), w) < 5e-3
+    assert quantize_matrix(w, "int4").kind == "int4"
+
+
+def test_quantized_weights_are_stored_once_and_reloaded(tmp_path):
+    """The store round-trips every slot: a reloaded model's logits equal the first load's."""
+    from specdecode.models import quant_store
+
+    w = _grid_matrix(32, 64)
+    slots = {"a": quantize_matrix(w, "int4"), "b": quantize_matrix(torch.randn(16, 64), "int8"), "n": torch.ones(3)}
+    slots["none"] = None
+    path = quant_store.store_path(tmp_path, "int4")
+    quant_store.save(slots, path)
+    back = quant_store.load(path)
+    assert set(back) == {"a", "b", "n"} and torch.equal(back["n"], slots["n"])
+    x = torch.randn(5, 64)
+    for name in ("a", "b"):
+        assert back[name].kind == slots[name].kind and torch.equal(back[name](x), slots[name](x))
+    damaged = quant_store.store_path(tmp_path / "other", "int4")
+    damaged.parent.mkdir()
+    damaged.write_bytes(b"not a torch file")
+    assert quant_store.load(damaged) is None  # a damaged store is re-made, not trusted
+    assert quant_store.load(tmp_path / "missing.pt") is None

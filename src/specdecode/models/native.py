@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.errors import ModelLoadError
+from specdecode.models import quant_store
 from specdecode.models.base import ModelCaps
 from specdecode.models.gguf_source import GGUFTensors
 from specdecode.models.loading import gguf_source
@@ -192,6 +193,9 @@ def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quan
     ``quant`` ("int8" or "int4") quantizes every matrix, layer by layer as it is read (the
     embedding stays bf16 for lookups); ``dtype`` is then the activations' dtype.
     """
+    store = quant_store.store_path(model_dir, quant) if quant and gguf_source(model_dir) is not None else None
+    if store is not None and (slots := quant_store.load(store)) is not None:
+        return _from_slots(slots, config)
     raw = _tensor_source(model_dir, config)
     matrix_dtype = torch.float32 if quant else dtype  # quantized from float32, one layer at a time
 
@@ -219,7 +223,29 @@ def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quan
     weights = Weights(embed=embed, layers=layers, norm=norm, lm_head=head)
     if quant:
         weights.linear = quant_linear
+    if store is not None:
+        quant_store.save(_to_slots(weights), store)
     return weights
+
+
+_LAYER_FIELDS = [f.name for f in dataclasses.fields(LayerWeights)]
+
+
+def _to_slots(w: Weights) -> dict[str, Any]:
+    slots: dict[str, Any] = {"embed": w.embed, "norm": w.norm}
+    slots["lm_head"] = None if w.lm_head is w.embed else w.lm_head
+    for i, layer in enumerate(w.layers):
+        slots.update({f"layers.{i}.{n}": getattr(layer, n) for n in _LAYER_FIELDS})
+    return slots
+
+
+def _from_slots(slots: dict[str, Any], config: NativeConfig) -> Weights:
+    layers = [
+        LayerWeights(**{n: slots.get(f"layers.{i}.{n}") for n in _LAYER_FIELDS}) for i in range(config.num_layers)
+    ]
+    embed = slots["embed"]
+    head = slots.get("lm_head", embed)
+    return Weights(embed=embed, layers=layers, norm=slots["norm"], lm_head=head, linear=quant_linear)
 
 
 def _quantize_layer(w: LayerWeights, kind: str) -> LayerWeights:

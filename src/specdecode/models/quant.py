@@ -59,14 +59,54 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 over groups of ``group`` inputs: (q uint8 0..15 [out, in], scale, zero bf16
-    [out, in // group]); ``w ~= (q - 8) * scale + zero`` (torch's int4 kernel convention)."""
+    [out, in // group]); ``w ~= (q - 8) * scale + zero`` (torch's int4 kernel convention).
+
+    A group whose values already lie on a grid of at most 16 levels (a GGUF Q4_0/Q4_1/Q4_K
+    block, whose scales llama.cpp chooses by search, so its levels need not span min..max) keeps
+    that grid exactly; other groups take min..max in 15 steps.
+    """
     out, inp = w.shape
     g = w.float().reshape(out, inp // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12).to(ACT)
+    steps = _grid_steps(g, lo, hi - lo)
+    scale = ((hi - lo) / steps).clamp(min=1e-12).to(ACT)
     zero = (lo + 8 * scale.float()).to(ACT)  # rounded first: q is chosen for the stored values
     q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8).round_().clamp_(0, 15)
     return q.reshape(out, inp).to(torch.uint8), scale, zero
+
+
+def _grid_steps(g: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """Per group, a number of steps (1..15) from its min to its max that puts every value on the
+    grid (to float32 rounding); 15 where none does.
+
+    The first guess is span / smallest gap between the group's values (exact whenever two
+    neighbouring levels occur); groups it misses search 15 down to 1, unless most of a sample of
+    them miss too (a 5- to 8-bit source: no 16-level grid to find).
+    """
+    unit = ((g - lo[..., None]) / span.clamp(min=1e-30)[..., None]).reshape(-1, g.shape[-1])  # in [0, 1]
+    gaps = unit.sort(-1).values.diff(dim=-1)
+    smallest = torch.where(gaps > 1e-4, gaps, torch.ones_like(gaps)).amin(-1)
+    steps = (1 / smallest).round().clamp(1, 15)
+    fits = _on_grid(unit, steps)
+    left = (~fits).nonzero().squeeze(-1)
+    if left.numel() and _on_grid(unit[left[:256]], torch.full((min(256, left.numel()),), 15.0)).float().mean() < 0.5:
+        sample = left[:256]
+        if not any(_on_grid(unit[sample], torch.full((sample.numel(),), float(j))).any() for j in range(1, 15)):
+            steps[left] = 15.0
+            return steps.reshape(span.shape)
+    for j in range(15, 0, -1):
+        if left.numel() == 0:
+            break
+        ok = _on_grid(unit[left], torch.full((left.numel(),), float(j)))
+        steps[left[ok]] = j
+        left = left[~ok]
+    steps[left] = 15.0
+    return steps.reshape(span.shape)
+
+
+def _on_grid(unit: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    x = unit * steps[:, None]
+    return ((x - x.round()).abs() < 1e-3).all(-1)
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
