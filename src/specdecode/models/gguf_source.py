@@ -31,6 +31,7 @@ _LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -85,6 +86,11 @@ class GGUFTensors:
         if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             out = unpermute_rope_rows(out, self._heads if "q_proj" in name else self._kv_heads)
         return out
+
+    def low_bit(self, name: str) -> bool | None:
+        """Whether the tensor is stored in a 4-bit GGUF type (so int4 can keep it); None if absent."""
+        t = self._tensors.get(name)
+        return None if t is None else t.tensor_type.name in FOUR_BIT_TYPES
 
     def names(self) -> list[str]:
         return sorted(self._tensors)

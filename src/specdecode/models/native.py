@@ -205,6 +205,7 @@ def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quan
             raise ModelLoadError(f"{model_dir}: checkpoint has no tensor {name!r}")
         return None if t is None else t.to(as_dtype).contiguous()
 
+    head_kind = _kind(raw, quant, ["lm_head.weight"] if "lm_head.weight" in raw else ["model.embed_tokens.weight"])
     embed = take("model.embed_tokens.weight", optional=True)
     head = take("lm_head.weight", optional=True)
     if config.tie_word_embeddings or head is None:
@@ -213,12 +214,13 @@ def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quan
     if embed is None or head is None:
         raise ModelLoadError(f"{model_dir}: checkpoint has no embedding or output matrix")
     if quant:
-        head = quantize_matrix(head, quant)
+        head = quantize_matrix(head, head_kind)
         embed = embed.to(ACT)
     layers = []
     for i in range(config.num_layers):
+        kinds = {m: _kind(raw, quant, names) for m, names in _layer_sources(f"model.layers.{i}.").items()}
         layer = _layer(take, f"model.layers.{i}.")
-        layers.append(_quantize_layer(layer, quant) if quant else layer)
+        layers.append(_quantize_layer(layer, kinds) if quant else layer)
     norm = take("model.norm.weight", as_dtype=torch.float32)
     weights = Weights(embed=embed, layers=layers, norm=norm, lm_head=head)
     if quant:
@@ -248,14 +250,34 @@ def _from_slots(slots: dict[str, Any], config: NativeConfig) -> Weights:
     return Weights(embed=embed, layers=layers, norm=slots["norm"], lm_head=head, linear=quant_linear)
 
 
-def _quantize_layer(w: LayerWeights, kind: str) -> LayerWeights:
+def _layer_sources(p: str) -> dict[str, list[str]]:
+    """The checkpoint tensors each fused layer matrix is made of."""
+    a, m = p + "self_attn.", p + "mlp."
+    return {
+        "wqkv": [f"{a}{x}_proj.weight" for x in "qkv"],
+        "wo": [a + "o_proj.weight"],
+        "wgu": [m + "gate_proj.weight", m + "up_proj.weight"],
+        "wd": [m + "down_proj.weight"],
+    }
+
+
+def _kind(raw: Any, quant: str | None, names: list[str]) -> str | None:
+    """int4 only where every source tensor is 4-bit in the GGUF (a 5- to 8-bit one goes to int8
+    without the int4 attempt, which costs seconds a matrix); unknown sources try int4."""
+    if quant != "int4" or not isinstance(raw, GGUFTensors):
+        return quant
+    bits = [raw.low_bit(n) for n in names if raw.low_bit(n) is not None]
+    return "int4" if bits and all(bits) else "int8"
+
+
+def _quantize_layer(w: LayerWeights, kinds: dict[str, str]) -> LayerWeights:
     bias = lambda b: None if b is None else b.to(ACT)  # noqa: E731
     return dataclasses.replace(
         w,
-        wqkv=quantize_matrix(w.wqkv, kind),
-        wo=quantize_matrix(w.wo, kind),
-        wgu=quantize_matrix(w.wgu, kind),
-        wd=quantize_matrix(w.wd, kind),
+        wqkv=quantize_matrix(w.wqkv, kinds["wqkv"]),
+        wo=quantize_matrix(w.wo, kinds["wo"]),
+        wgu=quantize_matrix(w.wgu, kinds["wgu"]),
+        wd=quantize_matrix(w.wd, kinds["wd"]),
         bqkv=bias(w.bqkv),
         bo=bias(w.bo),
         bgu=bias(w.bgu),
