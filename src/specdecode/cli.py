@@ -50,6 +50,7 @@ def _probability(text: str) -> float:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="transformers folder or .gguf file (default: embedded SmolLM2-135M)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+    p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help="a --draft model's (default: --dtype)")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
 
@@ -343,6 +344,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_nodes=args.max_nodes,
         **({"layers": args.exit_layers} if args.exit_layers and args.method == "early-exit" else {}),
         **({"drafter": args.drafter} if args.drafter else {}),
+        **({"dtype": args.draft_dtype or args.dtype} if args.draft and args.method in ("draft", "xtok") else {}),
     )
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,

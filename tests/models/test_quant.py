@@ -26,6 +26,11 @@ def _grid_matrix(out: int, inp: int, levels: int = 16, seed: int = 0) -> torch.T
 
 
 def _reference(m: QuantMatrix, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if m.kind == "w8a8":  # each row quantized by its own absmax, then a float matmul
+        xf = x.to(quant.ACT).float()
+        s = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12)
+        xq = (xf / s).round().clamp(-127, 127) * s
+        return xq @ quant.dequantize_int8(*quant.quantize_int8(w)).t()
     if m.kind == "int8":
         deq = quant.dequantize_int8(*quant.quantize_int8(w))
     else:
@@ -37,7 +42,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 64), (192, 576), (160, 96), (1024, 256)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 17])
 def test_kernel_matches_dequantized_reference(kind, shape, rows):
@@ -50,7 +55,7 @@ def test_kernel_matches_dequantized_reference(kind, shape, rows):
     assert _rel(y, _reference(m, w, x)) < KERNEL_RTOL
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
 def test_rows_do_not_depend_on_their_call(kind):
     """A row alone, inside any chunking, and inside one call: bitwise the same (1-token decode
     equals a k-token verify)."""
@@ -85,6 +90,11 @@ def test_missing_kernels_fall_back_cleanly(monkeypatch):
     assert _rel(quant_linear(x, dense, None), x @ w.t()) < KERNEL_RTOL
 
 
+def test_w8a8_falls_back_to_int8_weight_only_without_its_kernel(monkeypatch):
+    monkeypatch.setattr(quant, "kernel_available", lambda kind: kind != "w8a8")
+    assert quantize_matrix(_grid_matrix(32, 64), "w8a8").kind == "int8"
+
+
 def test_kernel_probe_answers_for_unknown_kinds():
     assert quant.kernel_available("int8") in (True, False)
     assert quant.kernel_available("int3") is False
@@ -101,7 +111,7 @@ def tiny(tmp_path):
     return folder
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
 def test_quantized_model_tracks_float_logits(tiny, kind):
     fp32 = NativeCausalLM.from_pretrained(tiny)
     q = NativeCausalLM.from_pretrained(tiny, dtype=torch.bfloat16, quant=kind)
@@ -109,11 +119,12 @@ def test_quantized_model_tracks_float_logits(tiny, kind):
     ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
     ref = fp32.forward(ids, fp32.new_cache(12))
     got = q.forward(ids, q.new_cache(12))
-    # Random tiny weights are not on a 4-bit grid: int4 falls back to int8 there (see above).
-    assert _rel(got, ref) < 0.05
+    # Random tiny weights are not on a 4-bit grid: int4 falls back to int8 there (see above);
+    # w8a8 also rounds every activation row to int8.
+    assert _rel(got, ref) < (0.1 if kind == "w8a8" else 0.05)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
 def test_quantized_rows_of_different_lengths_match_forwards_alone(tiny, kind):
     native = NativeCausalLM.from_pretrained(tiny, dtype=torch.bfloat16, quant=kind)
     g = torch.Generator().manual_seed(6)
@@ -152,7 +163,7 @@ def test_load_model_refuses_quantized_transformers_backend(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
 def test_real_model_quantized_speculation_equals_plain_alone_and_in_a_batch(kind):
     from real_model import PROMPTS, chat_ids, default_target
     from specdecode.api import make_proposer
@@ -180,13 +191,14 @@ def test_real_model_quantized_speculation_equals_plain_alone_and_in_a_batch(kind
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
 def test_real_model_quantized_logits_close_to_float(kind):
     """Stated tolerance, against the float32 model of the same file, on the last prompt position:
     relative logit error under 8% on every prompt and the same top token on at least 9 of 11.
     Measured here: int4 0.8-5.4% (SmolLM2's Q4_1 layers re-quantize to int4 nearly losslessly,
     its Q8_0 head stays int8), 10/11 top tokens; int8 1.3-6.3% (per-row int8 cannot hold Q4_1's
-    per-group offsets exactly), 11/11; bf16 for scale 0.3-1.0%."""
+    per-group offsets exactly), 11/11; bf16 for scale 0.3-1.0%. w8a8 also rounds activations:
+    mean 8%, at most 17%, 11/11 top tokens; its bound is 20%."""
     from real_model import PROMPTS, chat_ids, default_target
 
     ref, q = default_target(), default_target(dtype=kind)
@@ -195,7 +207,7 @@ def test_real_model_quantized_logits_close_to_float(kind):
         ids = torch.tensor([chat_ids(ref, text)])
         want = ref.model.forward(ids, ref.model.new_cache(ids.shape[1]))[0, -1]
         got = q.model.forward(ids, q.model.new_cache(ids.shape[1]))[0, -1]
-        assert _rel(got, want) < 0.08, text
+        assert _rel(got, want) < (0.2 if kind == "w8a8" else 0.08), text
         same += int(got.argmax()) == int(want.argmax())
     assert same >= 9
 

@@ -31,7 +31,7 @@ K_VALUES = (1, 2, 4, 8, 16, 32)
 CURVE_CONTEXT = 200  # cached tokens under the forward-cost curve
 BATCH_SIZES = (4, 16)  # sequences per forward for the batched-throughput rows
 NATIVE_DTYPES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None)} | {
-    q: (torch.bfloat16, q) for q in ("int8", "int4")
+    q: (torch.bfloat16, q) for q in ("int8", "int4", "w8a8")
 }
 
 

@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft model for method 'draft'")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+    p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help="the --draft model's (default: --dtype)")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument(
         "--methods",
@@ -125,6 +126,7 @@ class Options:
     target: str | None
     draft: str | None
     dtype: str
+    draft_dtype: str | None
     backend: str
     methods: list[str]
     ks: list[int | str]
@@ -162,6 +164,7 @@ def parse_options(argv: list[str]) -> Options:
         target=args.target,
         draft=args.draft,
         dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
         backend=args.backend,
         methods=methods,
         ks=_ks(args.k or preset["k"]),
@@ -378,6 +381,7 @@ def fingerprint(opts: Options, target_source: str, draft_source: str | None, hyb
         "target": target_source,
         "draft": draft_source,
         "dtype": opts.dtype,
+        "draft_dtype": opts.draft_dtype or opts.dtype,
         "backend": opts.backend,
         "max_new_tokens": opts.max_new_tokens,
         "seed": opts.seed,
@@ -453,7 +457,8 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
 
     target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
     needs_draft = any(method_spec(base_method(m)).uses_draft for m in opts.methods)
-    draft = load_model(opts.draft, dtype=opts.dtype) if needs_draft and opts.draft else None
+    draft_dtype = opts.draft_dtype or opts.dtype
+    draft = load_model(opts.draft, dtype=draft_dtype) if needs_draft and opts.draft else None
     cells, skipped_cells, gens = [], [], {}
     for cell in plan_cells(opts):
         if cell.method == "hf":
@@ -550,6 +555,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "target": target.source,
             "draft": draft.source if draft else None,
             "dtype": opts.dtype,
+            "draft_dtype": opts.draft_dtype or opts.dtype,
             "backend": getattr(target.model, "backend", opts.backend),
             "methods": opts.methods,
             "k": opts.ks,

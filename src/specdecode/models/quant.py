@@ -16,7 +16,7 @@ import torch
 
 from specdecode.models.kernels import RowPlan
 
-KINDS = ("int8", "int4")
+KINDS = ("int8", "int4", "w8a8")
 INT4_GROUP = 32  # GGUF's Q4_0/Q4_1/Q4_K blocks are 32 wide; smaller groups track them best
 ACT = torch.bfloat16  # activation dtype into the kernels (their fp32 path is ~10x slower)
 # int4 only where it keeps what the file had: re-quantizing a GGUF 4-bit matrix costs ~0.5% (its
@@ -32,6 +32,8 @@ def kernel_available(kind: str) -> bool:
         x = torch.ones(2, 32, dtype=ACT)
         if kind == "int8":
             torch.ops.aten._weight_int8pack_mm(x, torch.ones(16, 32, dtype=torch.int8), torch.ones(16, dtype=ACT))
+        elif kind == "w8a8":
+            torch._int_mm(torch.ones(1, 32, dtype=torch.int8), torch.ones(16, 32, dtype=torch.int8).t())
         elif kind == "int4":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.ones(16, 32, dtype=torch.int32), 1)
             torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, torch.ones(1, 16, 2, dtype=ACT))
@@ -134,6 +136,8 @@ class QuantMatrix:
         return torch.cat([self._mm(part) for part in x.split(chunks)])
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "w8a8":
+            return _w8a8_mm(x, *self.tensors)
         if self.kind == "int8":
             q, scales = self.tensors
             return torch.ops.aten._weight_int8pack_mm(x, q, scales)
@@ -143,6 +147,17 @@ class QuantMatrix:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def _w8a8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Rows quantized to int8 on the fly, each by its own absmax (so a row never depends on the
+    others), an exact int32 matmul (``torch._int_mm``: oneDNN/AMX, flat in the number of rows),
+    then both scales: ``x`` [n, in] bf16 -> [n, out] bf16."""
+    xf = x.float()
+    row_scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12)  # [n, 1]
+    xq = (xf / row_scale).round_().clamp_(-127, 127).to(torch.int8)
+    acc = torch._int_mm(xq, q.t())  # [n, out] int32, exact
+    return (acc.float() * row_scale * scales).to(ACT)
 
 
 def int4_fits(shape: tuple[int, int]) -> bool:
@@ -166,6 +181,9 @@ def quantize_matrix(w: torch.Tensor, kind: str) -> QuantMatrix | torch.Tensor:
             del parts
             return _int4(shape, q, scale, zero)
         del parts
+    if kind == "w8a8" and kernel_available("w8a8"):
+        q, scales = (torch.cat(t) for t in zip(*(quantize_int8(block) for block in w.split(ROW_BLOCK))))
+        return QuantMatrix("w8a8", shape, (q, scales.float()))
     if kind in KINDS and kernel_available("int8"):
         q, scales = (torch.cat(t) for t in zip(*(quantize_int8(block) for block in w.split(ROW_BLOCK))))
         return QuantMatrix("int8", shape, (q, scales))
