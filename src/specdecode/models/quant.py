@@ -1,7 +1,8 @@
-"""Weight-only quantized matrices on torch's own CPU kernels: int8 per output channel, int4 in groups.
+"""Quantized matrices on torch's own CPU kernels: weight-only int8 per output channel and int4 in
+groups, and w8a8 (int8 weights, activations rounded to int8 per row, an exact int32 matmul).
 
-Activations stay bfloat16 into the kernel (its fast path) and the results come back bfloat16;
-the residual stream outside the matmuls stays float32 as in the float paths. Both kernels are
+Activations enter in bfloat16 (the weight-only kernels' fast path), results come back bfloat16;
+the residual stream outside the matmuls stays float32 as in the float paths. All kernels are
 row-invariant (a row's result does not depend on the other rows in the call; tested), so a
 matrix may split its rows into the chunks that cost least on this machine (see
 :mod:`specdecode.models.kernels`) and 1-token decode stays bitwise equal to a k-token verify.
