@@ -190,8 +190,9 @@ def _tensor_source(model_dir: Path, config: NativeConfig) -> GGUFTensors | dict[
 def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quant: str | None = None) -> Weights:
     """Read, fuse and cast the checkpoint's tensors; ModelLoadError naming any missing tensor.
 
-    ``quant`` ("int8" or "int4") quantizes every matrix, layer by layer as it is read (the
-    embedding stays bf16 for lookups); ``dtype`` is then the activations' dtype.
+    ``quant`` ("int8", "int4" or "w8a8") quantizes every matrix, layer by layer as it is read
+    (the embedding stays bf16 for lookups), and stores the result once beside a GGUF's config
+    (:mod:`quant_store`); ``dtype`` is then the activations' dtype.
     """
     store = quant_store.store_path(model_dir, quant) if quant and gguf_source(model_dir) is not None else None
     if store is not None and (slots := quant_store.load(store)) is not None:
@@ -525,7 +526,7 @@ class NativeCausalLM:
         self.config = config
         self.weights = weights
         self.dtype = dtype
-        self.quant = quant  # "int8" / "int4" when the matrices are quantized (dtype: their activations)
+        self.quant = quant  # "int8" / "int4" / "w8a8" when the matrices are quantized (dtype: their activations)
         self.vocab_size = int(weights.embed.shape[0])
         self.max_length = config.max_length
         self._dims = _Dims(
@@ -555,7 +556,7 @@ class NativeCausalLM:
         ``pack`` prepacks matrices for oneDNN when this torch build allows (see :func:`pack_weights`);
         ``compile`` uses ``torch.compile`` on plain matrices instead (slower on the 2-core dev box,
         see BENCHMARKS.md) and falls back to eager if compilation fails. ``quant`` ("int8" or
-        "int4") runs weight-only quantized matrices (``dtype`` must then be bfloat16), each
+        "int4", "w8a8") runs quantized matrices (``dtype`` must then be bfloat16), each
         splitting its rows as measured fastest on this machine (:mod:`specdecode.models.kernels`).
         """
         model_dir = Path(model_dir)
