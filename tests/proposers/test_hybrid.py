@@ -144,3 +144,20 @@ def test_shipped_hybrid_card_names_a_shipped_drafter():
     settings = card["benchmark"]["settings"]
     assert card["method"] == "hybrid" and settings["k"] >= 1
     assert (folder / settings["drafter"] / "model.safetensors").exists()
+
+
+def test_hybrid_given_a_draft_model_uses_it_as_its_second_source():
+    """A target with no trained drafter (the Qwen 1.5B) and a loaded same-tokenizer draft: the
+    hybrid looks up where it can, else drafts with that model."""
+    from helpers import MarkovLM
+    from specdecode.api import make_proposer
+    from specdecode.models.loading import LoadedModel
+
+    class Vocab:
+        def get_vocab(self):
+            return {"a": 0, "b": 1}
+
+    target = LoadedModel(model=MarkovLM(5, seed=0), tokenizer=Vocab(), source="/nowhere/target")
+    draft = LoadedModel(model=MarkovLM(5, seed=1), tokenizer=Vocab(), source="/nowhere/draft")
+    proposer = make_proposer("hybrid", target, draft)
+    assert proposer.drafter.name == "draft"
