@@ -32,7 +32,8 @@ def test_built_in_methods_and_the_older_names():
     assert methods.FALLBACK == "ngram" and methods.TRAINED + methods.COMPOSED == ("eagle", "medusa", "draft", "hybrid")
     assert all(spec.description for spec in methods.REGISTRY.values())
     assert method_spec("xtok").needs_draft and method_spec("xtok").uses_draft and method_spec("draft").uses_draft
-    assert not any(method_spec(m).uses_draft for m in ("eagle", "medusa", "hybrid", "ngram"))
+    assert method_spec("hybrid").uses_draft and not method_spec("hybrid").needs_draft  # a draft model, if given
+    assert not any(method_spec(m).uses_draft for m in ("eagle", "medusa", "ngram"))
 
 
 def test_registry_is_read_only():

@@ -256,7 +256,8 @@ for _spec in (
         {"min_match", "max_ngram", "drafter"} | _TRAINED_OPTIONS,
         composed=True,
         confidence=True,
-        description="prompt lookup where the context repeats, else a trained drafter",
+        uses_draft=True,
+        description="prompt lookup where the context repeats, else a trained drafter or the given draft model",
     ),
 ):
     register_method(_spec)
