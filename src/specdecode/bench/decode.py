@@ -450,13 +450,10 @@ def decode_only_tok_s(model: Any, ids: list[int], n: int) -> float:
 
 def host_description() -> str:
     """CPU model and the vector/matrix extensions torch may use, for every recorded figure."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return torch.backends.cpu.get_cpu_capability()
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = set(next((ln.split(":", 1)[1] for ln in info.splitlines() if ln.startswith("flags")), "").split())
-    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
+    from specdecode.models.kernels import cpu_info
+
+    model, flags = cpu_info()
+    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags.split()]
     return f"{model}; {len(os.sched_getaffinity(0))} cores; {' '.join(ext)}; torch {torch.__version__}"
 
 

@@ -60,29 +60,34 @@ def _cheapest(costs: tuple[tuple[int, float], ...], n: int) -> tuple[int, ...]:
     for m in range(1, n + 1):
         options = [(best[m - c][0] + ms, best[m - c][1] + (c,)) for c, ms in costs if c <= m]
         if m > sizes[-1] or not options:
-            options.append((best[0][0] + _extrapolate(costs, m), (m,)))
+            options.append((_extrapolate(costs, m), (m,)))
         best.append(min(options))
     return best[n][1]
 
 
+def cpu_info() -> tuple[str, str]:
+    """(model name, flags) from /proc/cpuinfo; the platform's processor name and no flags elsewhere."""
+    fallback = platform.processor() or platform.machine()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return fallback, ""
+    field = lambda key, default: next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(key)), default)  # noqa: E731
+    return field("model name", fallback), field("flags", "")
+
+
 def machine_key() -> str:
     """What a measurement depends on: CPU model and flags, torch version, thread count."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), cpu)
-        flags = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("flags")), "")
-        cpu = f"{model}|{flags}"
-    except OSError:
-        pass
+    model, flags = cpu_info()
+    cpu = f"{model}|{flags}" if flags else model
     raw = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
 def _cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specdecode" / "kernels" / f"{machine_key()}.json"
+    from specdecode.models.loading import cache_root
+
+    return cache_root() / "kernels" / f"{machine_key()}.json"
 
 
 def _time_call(fn: Callable[[], object]) -> float:
