@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.models.kernels import RowPlan
+from specdecode.models.kernels import RowPlan, measure
 
 KINDS = ("int8", "int4", "w8a8")
 INT4_GROUP = 32  # GGUF's Q4_0/Q4_1/Q4_K blocks are 32 wide; smaller groups track them best
@@ -83,32 +83,33 @@ def _grid_steps(g: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.
     grid (to float32 rounding); 15 where none does.
 
     The first guess is span / smallest gap between the group's values (exact whenever two
-    neighbouring levels occur); groups it misses search 15 down to 1, unless most of a sample of
-    them miss too (a 5- to 8-bit source: no 16-level grid to find).
+    neighbouring levels occur); groups it misses search 15 down to 1, unless a sample of them
+    shows no grid at all (a 5- to 8-bit source: no 16-level grid to find).
     """
     unit = ((g - lo[..., None]) / span.clamp(min=1e-30)[..., None]).reshape(-1, g.shape[-1])  # in [0, 1]
     gaps = unit.sort(-1).values.diff(dim=-1)
     smallest = torch.where(gaps > 1e-4, gaps, torch.ones_like(gaps)).amin(-1)
     steps = (1 / smallest).round().clamp(1, 15)
-    fits = _on_grid(unit, steps)
-    left = (~fits).nonzero().squeeze(-1)
-    if left.numel() and _on_grid(unit[left[:256]], torch.full((min(256, left.numel()),), 15.0)).float().mean() < 0.5:
-        sample = left[:256]
-        if not any(_on_grid(unit[sample], torch.full((sample.numel(),), float(j))).any() for j in range(1, 15)):
-            steps[left] = 15.0
-            return steps.reshape(span.shape)
-    for j in range(15, 0, -1):
-        if left.numel() == 0:
-            break
-        ok = _on_grid(unit[left], torch.full((left.numel(),), float(j)))
-        steps[left[ok]] = j
-        left = left[~ok]
+    left = (~_on_grid(unit, steps[:, None])).nonzero().squeeze(-1)
+    if left.numel() and _has_grid(unit[left[:256]]):
+        for j in range(15, 0, -1):
+            ok = _on_grid(unit[left], j)
+            steps[left[ok]] = j
+            left = left[~ok]
     steps[left] = 15.0
     return steps.reshape(span.shape)
 
 
-def _on_grid(unit: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    x = unit * steps[:, None]
+def _has_grid(sample: torch.Tensor) -> bool:
+    """Whether these groups look 4-bit: half lie on 15 steps, or some lie on fewer."""
+    return bool(_on_grid(sample, 15).float().mean() >= 0.5) or any(
+        bool(_on_grid(sample, j).any()) for j in range(1, 15)
+    )
+
+
+def _on_grid(unit: torch.Tensor, steps: torch.Tensor | float) -> torch.Tensor:
+    """Which groups (rows of ``unit``, in [0, 1]) lie on ``steps`` equal steps ([groups, 1] or one number)."""
+    x = unit * steps
     return ((x - x.round()).abs() < 1e-3).all(-1)
 
 
@@ -171,24 +172,29 @@ ROW_BLOCK = 4096  # rows quantized at a time: temporaries stay ~100 MB even for 
 
 def quantize_matrix(w: torch.Tensor, kind: str) -> QuantMatrix | torch.Tensor:
     """``w`` [out, in] as ``kind`` where its kernel runs here and the shape fits; int4 falls back to
-    int8 (also where int4 would lose more than ``INT4_MAX_ERROR`` of the matrix), int8 to a bf16
-    tensor (used with ``F.linear``), so a missing op never fails a load."""
+    int8 (also where int4 would lose more than ``INT4_MAX_ERROR`` of the matrix), w8a8 to int8,
+    int8 to a bf16 tensor (used with ``F.linear``), so a missing op never fails a load."""
     shape = (int(w.shape[0]), int(w.shape[1]))
     if kind == "int4" and int4_fits(shape) and kernel_available("int4"):
-        parts = [quantize_int4(block) for block in w.split(ROW_BLOCK)]
-        err2 = sum(float((dequantize_int4(*p) - b.float()).pow(2).sum()) for p, b in zip(parts, w.split(ROW_BLOCK)))
-        if (err2 / max(float(w.float().pow(2).sum()), 1e-30)) ** 0.5 <= INT4_MAX_ERROR:
-            q, scale, zero = (torch.cat(t) for t in zip(*parts))
-            del parts
-            return _int4(shape, q, scale, zero)
-        del parts
-    if kind == "w8a8" and kernel_available("w8a8"):
+        int4 = _try_int4(w, shape)
+        if int4 is not None:
+            return int4
+    w8a8 = kind == "w8a8" and kernel_available("w8a8")
+    if w8a8 or (kind in KINDS and kernel_available("int8")):
         q, scales = (torch.cat(t) for t in zip(*(quantize_int8(block) for block in w.split(ROW_BLOCK))))
-        return QuantMatrix("w8a8", shape, (q, scales.float()))
-    if kind in KINDS and kernel_available("int8"):
-        q, scales = (torch.cat(t) for t in zip(*(quantize_int8(block) for block in w.split(ROW_BLOCK))))
-        return QuantMatrix("int8", shape, (q, scales))
+        return QuantMatrix("w8a8", shape, (q, scales.float())) if w8a8 else QuantMatrix("int8", shape, (q, scales))
     return w.to(ACT).contiguous()
+
+
+def _try_int4(w: torch.Tensor, shape: tuple[int, int]) -> QuantMatrix | None:
+    """``w`` as int4, or None where that would lose more than ``INT4_MAX_ERROR`` of it."""
+    blocks = w.split(ROW_BLOCK)
+    parts = [quantize_int4(block) for block in blocks]
+    err2 = sum(float((dequantize_int4(*p) - b.float()).pow(2).sum()) for p, b in zip(parts, blocks))
+    if (err2 / max(float(w.float().pow(2).sum()), 1e-30)) ** 0.5 > INT4_MAX_ERROR:
+        return None
+    q, scale, zero = (torch.cat(t) for t in zip(*parts))
+    return _int4(shape, q, scale, zero)
 
 
 def _int4(shape: tuple[int, int], q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> QuantMatrix:
@@ -210,8 +216,6 @@ def quant_linear(x: torch.Tensor, w: QuantMatrix | torch.Tensor, b: torch.Tensor
 def plan_rows(matrices: list[QuantMatrix]) -> dict[str, RowPlan]:
     """Measure (or read from the per-machine cache) each kind and shape's cheapest row split and
     give it to every matrix of that kind and shape; returns the plans by name."""
-    from specdecode.models.kernels import measure
-
     plans: dict[str, RowPlan] = {}
     for m in matrices:
         name = f"{m.kind}:{m.shape[0]}x{m.shape[1]}"
