@@ -10,7 +10,6 @@ floor and peak RSS. Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -321,15 +320,12 @@ def ops_per_token(model: Any, context: int = 32) -> int:
 
 def matrix_bytes(model: Any) -> int:
     """Bytes of matrices one decode step reads (every layer matrix and the output head)."""
-    from specdecode.models.native import LayerWeights
+    from specdecode.models.native import matrices
     from specdecode.models.quant import QuantMatrix
 
-    def size(m: Any) -> int:
-        return m.nbytes if isinstance(m, QuantMatrix) else m.numel() * m.element_size()
-
-    w = model.weights
-    names = [f.name for f in dataclasses.fields(LayerWeights) if f.name.startswith("w")]
-    return sum(size(getattr(layer, n)) for layer in w.layers for n in names) + size(w.lm_head)
+    return sum(
+        m.nbytes if isinstance(m, QuantMatrix) else m.numel() * m.element_size() for m in matrices(model.weights)
+    )
 
 
 def render(result: dict[str, Any]) -> None:

@@ -267,7 +267,7 @@ def _kind(raw: Any, quant: str | None, names: list[str]) -> str | None:
     without the int4 attempt, which costs seconds a matrix); unknown sources try int4."""
     if quant != "int4" or not isinstance(raw, GGUFTensors):
         return quant
-    bits = [raw.low_bit(n) for n in names if raw.low_bit(n) is not None]
+    bits = [b for b in map(raw.low_bit, names) if b is not None]
     return "int4" if bits and all(bits) else "int8"
 
 
@@ -286,28 +286,38 @@ def _quantize_layer(w: LayerWeights, kinds: dict[str, str]) -> LayerWeights:
     )
 
 
+def matrices(weights: Weights) -> list[Any]:
+    """Every matrix a decode step reads: each layer's four, then the output head."""
+    return [m for w in weights.layers for m in (w.wqkv, w.wo, w.wgu, w.wd)] + [weights.lm_head]
+
+
 def quant_matrices(weights: Weights) -> list[QuantMatrix]:
     """Every quantized matrix of the model (none for float weights)."""
-    mats = [m for w in weights.layers for m in (w.wqkv, w.wo, w.wgu, w.wd)] + [weights.lm_head]
-    return [m for m in mats if isinstance(m, QuantMatrix)]
+    return [m for m in matrices(weights) if isinstance(m, QuantMatrix)]
 
 
 def _layer(take: Callable[..., torch.Tensor | None], p: str) -> LayerWeights:
-    a, m = p + "self_attn.", p + "mlp."
-    qkv = [take(f"{a}{x}_proj.weight") for x in "qkv"]
-    qkv_bias = [take(f"{a}{x}_proj.bias", optional=True) for x in "qkv"]
-    gu_bias = [take(f"{m}{x}_proj.bias", optional=True) for x in ("gate", "up")]
+    src = _layer_sources(p)
+
+    def fused(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The matrix ``name`` (its sources stacked) and its bias, None unless every source has one."""
+        parts = [take(n) for n in src[name]]
+        biases = [take(n.removesuffix("weight") + "bias", optional=True) for n in src[name]]
+        bias = (biases[0] if len(biases) == 1 else torch.cat(biases)) if all(b is not None for b in biases) else None
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), bias
+
+    (wqkv, bqkv), (wo, bo), (wgu, bgu), (wd, bd) = (fused(n) for n in ("wqkv", "wo", "wgu", "wd"))
     return LayerWeights(
         ln1=take(p + "input_layernorm.weight", as_dtype=torch.float32),
-        wqkv=torch.cat(qkv),
-        bqkv=torch.cat(qkv_bias) if all(b is not None for b in qkv_bias) else None,
-        wo=take(a + "o_proj.weight"),
-        bo=take(a + "o_proj.bias", optional=True),
+        wqkv=wqkv,
+        bqkv=bqkv,
+        wo=wo,
+        bo=bo,
         ln2=take(p + "post_attention_layernorm.weight", as_dtype=torch.float32),
-        wgu=torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
-        bgu=torch.cat(gu_bias) if all(b is not None for b in gu_bias) else None,
-        wd=take(m + "down_proj.weight"),
-        bd=take(m + "down_proj.bias", optional=True),
+        wgu=wgu,
+        bgu=bgu,
+        wd=wd,
+        bd=bd,
     )
 
 
@@ -587,8 +597,7 @@ class NativeCausalLM:
         for m in quant_matrices(w):
             name = f"{m.kind} {m.shape[0]}x{m.shape[1]}"
             out[name] = ", ".join(f"{n} rows as {'+'.join(map(str, m.plan.split(n)))}" for n in rows)
-        dense = [x for x in (w.lm_head, *(t for lw in w.layers for t in (lw.wqkv, lw.wo, lw.wgu, lw.wd)))]
-        if any(not isinstance(x, QuantMatrix) for x in dense):
+        if any(not isinstance(m, QuantMatrix) for m in matrices(w)):
             out["bf16 fallback"] = "F.linear (int kernel unavailable or shape unsupported)"
         return out
 
