@@ -61,7 +61,7 @@ def build_draft(target: LoadedModel, draft: DraftArg = None, **options: Any) -> 
         model = shipped_draft(target.model, target.source) if draft is None else load_distilled(target.model, draft)[0]
         return DraftModelProposer(model, **options)
     if not isinstance(draft, LoadedModel):
-        draft = load_model(draft, dtype=options.pop("dtype", "float32"))
+        draft = load_model(draft, dtype=options.pop("dtype", target.dtype))
     options.pop("dtype", None)
     check_compatible(target, draft)
     return DraftModelProposer(draft.model, **options)
@@ -74,7 +74,7 @@ def build_xtok(target: LoadedModel, draft: DraftArg = None, **options: Any) -> P
     if draft is None:
         raise ConfigError("method 'xtok' needs a draft model (--draft PATH)")
     if not isinstance(draft, LoadedModel):
-        draft = load_model(draft, dtype=options.pop("dtype", "float32"))
+        draft = load_model(draft, dtype=options.pop("dtype", target.dtype))
     options.pop("dtype", None)
     return CrossTokenizerProposer(draft, target.tokenizer, **options)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from specdecode.core.dtypes import DTYPE_CHOICES
 from specdecode.errors import SpecDecodeError
-from specdecode.methods import TRAINED, method_names
+from specdecode.methods import TRAINED, method_names, method_spec
 
 
 def _positive_int(text: str) -> int:
@@ -344,7 +344,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_nodes=args.max_nodes,
         **({"layers": args.exit_layers} if args.exit_layers and args.method == "early-exit" else {}),
         **({"drafter": args.drafter} if args.drafter else {}),
-        **({"dtype": args.draft_dtype or args.dtype} if args.draft and args.method in ("draft", "xtok") else {}),
+        **({"dtype": args.draft_dtype} if args.draft_dtype and method_spec(args.method).uses_draft else {}),
     )
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,

@@ -35,10 +35,8 @@ def run_demo(args: argparse.Namespace) -> int:
     console.print("prompt:", style="dim")
     console.print(args.prompt or DEMO_PROMPT, markup=False, highlight=False)
     plain = SpeculativeGenerator(target, method="none")
-    draft = args.draft
-    if draft is not None and args.method in ("draft", "xtok"):
-        draft = load_model(draft, dtype=args.dtype)  # a name (qwen2.5-coder-0.5b) or a path
-    spec = SpeculativeGenerator(target, method=args.method, k=args.k, draft=draft)
+    # --draft: a name (qwen2.5-coder-0.5b) or a path, loaded in the target's dtype
+    spec = SpeculativeGenerator(target, method=args.method, k=args.k, draft=args.draft)
     plain.generate("warm up", max_new_tokens=4)  # first-call allocations stay out of the timing
     prompt = args.prompt or DEMO_PROMPT
     runs = {"plain": plain.generate(prompt, max_new_tokens=args.max_new_tokens)}

@@ -126,7 +126,7 @@ class Options:
     target: str | None
     draft: str | None
     dtype: str
-    draft_dtype: str | None
+    draft_dtype: str  # --draft-dtype, else --dtype
     backend: str
     methods: list[str]
     ks: list[int | str]
@@ -164,7 +164,7 @@ def parse_options(argv: list[str]) -> Options:
         target=args.target,
         draft=args.draft,
         dtype=args.dtype,
-        draft_dtype=args.draft_dtype,
+        draft_dtype=args.draft_dtype or args.dtype,
         backend=args.backend,
         methods=methods,
         ks=_ks(args.k or preset["k"]),
@@ -381,7 +381,7 @@ def fingerprint(opts: Options, target_source: str, draft_source: str | None, hyb
         "target": target_source,
         "draft": draft_source,
         "dtype": opts.dtype,
-        "draft_dtype": opts.draft_dtype or opts.dtype,
+        "draft_dtype": opts.draft_dtype,
         "backend": opts.backend,
         "max_new_tokens": opts.max_new_tokens,
         "seed": opts.seed,
@@ -457,8 +457,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
 
     target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
     needs_draft = any(method_spec(base_method(m)).uses_draft for m in opts.methods)
-    draft_dtype = opts.draft_dtype or opts.dtype
-    draft = load_model(opts.draft, dtype=draft_dtype) if needs_draft and opts.draft else None
+    draft = load_model(opts.draft, dtype=opts.draft_dtype) if needs_draft and opts.draft else None
     cells, skipped_cells, gens = [], [], {}
     for cell in plan_cells(opts):
         if cell.method == "hf":
@@ -555,7 +554,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "target": target.source,
             "draft": draft.source if draft else None,
             "dtype": opts.dtype,
-            "draft_dtype": opts.draft_dtype or opts.dtype,
+            "draft_dtype": opts.draft_dtype,
             "backend": getattr(target.model, "backend", opts.backend),
             "methods": opts.methods,
             "k": opts.ks,

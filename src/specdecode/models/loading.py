@@ -29,6 +29,7 @@ class LoadedModel:
     model: Any  # a CausalLM
     tokenizer: Any
     source: str
+    dtype: str = "float32"  # as asked of load_model; a draft loaded for this target defaults to it
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -182,12 +183,12 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: str = "float32",
             quant = dtype if dtype in QUANT_DTYPES else None
             torch_dtype = torch.bfloat16 if quant else DTYPES[dtype]
             model = native.NativeCausalLM.from_pretrained(model_dir, dtype=torch_dtype, quant=quant)
-            return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir))
+            return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir), dtype=dtype)
         if backend == "native" or dtype in QUANT_DTYPES:
             raise ModelLoadError(f"the native backend cannot run {model_dir}: {reason}")
     model_dir = transformers_dir(model_dir)
     model = _load_transformers(model_dir, DTYPES[dtype])
-    return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir))
+    return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir), dtype=dtype)
 
 
 def transformers_dir(model_dir: str | os.PathLike) -> Path:
