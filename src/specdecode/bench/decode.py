@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from specdecode.core.dtypes import QUANT_DTYPES
 from specdecode.metrics import peak_rss_mb
 
 Runner = Callable[[list[int], int], list[int]]  # (prompt ids, new tokens) -> generated ids
@@ -30,7 +31,7 @@ K_VALUES = (1, 2, 4, 8, 16, 32)
 CURVE_CONTEXT = 200  # cached tokens under the forward-cost curve
 BATCH_SIZES = (4, 16)  # sequences per forward for the batched-throughput rows
 NATIVE_DTYPES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None)} | {
-    q: (torch.bfloat16, q) for q in ("int8", "int4", "w8a8")
+    q: (torch.bfloat16, q) for q in QUANT_DTYPES
 }
 
 
@@ -278,7 +279,6 @@ def _divergence(a: list[int], b: list[int]) -> int | None:
 
 def llama_bench(binary: str, model_dir: Path, threads: int, n: int, prompt: int = 256) -> dict[str, Any]:
     """llama.cpp's own benchmark on the same GGUF and thread count: decode (tg) and prefill (pp) tok/s."""
-    import os
     import subprocess
 
     from specdecode.models.loading import gguf_source
@@ -456,9 +456,8 @@ def host_description() -> str:
 def _agreements(timings: dict[str, Timing], model_dir: Path) -> dict[str, Any]:
     out = {}
     if "native fp32" in timings:
-        for other in ("native bf16", "native int8", "native int4"):
-            if other in timings:
-                out[f"{other} vs fp32"] = agreement(timings["native fp32"].tokens, timings[other].tokens)
+        for other in (n for n in timings if n.startswith("native ") and n != "native fp32"):
+            out[f"{other} vs fp32"] = agreement(timings["native fp32"].tokens, timings[other].tokens)
         if "transformers fp32" in timings:
             out["native fp32 vs transformers"] = agreement(
                 timings["native fp32"].tokens, timings["transformers fp32"].tokens, _eos_ids(model_dir)
