@@ -87,6 +87,23 @@ def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits.float()
 
 
+def ragged_rows(native: NativeCausalLM, vocab: int = 96, seed: int = 6):
+    """Three sequences for one ``forward_rows`` call (a prefill, a verify, a decode over caches of
+    three lengths): (prefixes, new rows, their caches holding the prefixes, each row's logits alone)."""
+    g = torch.Generator().manual_seed(seed)
+    prefixes = [torch.randint(0, vocab, (1, n), generator=g) for n in (0, 9, 3)]
+    news = [torch.randint(0, vocab, (n,), generator=g) for n in (6, 4, 1)]
+    alone, caches = [], []
+    for prefix, new in zip(prefixes, news):
+        cache = native.new_cache(4)
+        if prefix.shape[1]:
+            native.forward(prefix, cache)
+        alone.append(native.forward(new[None], cache))
+        caches.append(cache)
+        cache.trim(prefix.shape[1])
+    return prefixes, news, caches, alone
+
+
 def chunked(native: NativeCausalLM, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """Feed ``ids`` through one cache in chunks of ``sizes``; concatenated logits."""
     cache = native.new_cache(ids.shape[1])
@@ -344,17 +361,7 @@ def test_rows_of_different_lengths_match_forwards_alone(tmp_path, dtype):
     """One forward over three sequences (a prefill, a verify, a decode) over caches of three lengths."""
     folder, _ = make_checkpoint(tmp_path, "qwen2-qkv-bias")
     native = NativeCausalLM.from_pretrained(folder, dtype=dtype)
-    g = torch.Generator().manual_seed(6)
-    prefixes = [torch.randint(0, 96, (1, n), generator=g) for n in (0, 9, 3)]
-    news = [torch.randint(0, 96, (n,), generator=g) for n in (6, 4, 1)]
-    alone, batched = [], []
-    for prefix, new in zip(prefixes, news):
-        cache = native.new_cache(4)
-        if prefix.shape[1]:
-            native.forward(prefix, cache)
-        alone.append(native.forward(new[None], cache))
-        batched.append(cache)
-        cache.trim(prefix.shape[1])
+    prefixes, news, batched, alone = ragged_rows(native)
     got = native.forward_rows(news, batched)
     for cache, prefix, new, g_row, a_row in zip(batched, prefixes, news, got, alone):
         assert cache.length == prefix.shape[1] + new.numel() and g_row.shape == a_row.shape

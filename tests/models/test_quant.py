@@ -1,4 +1,4 @@
-"""Weight-only int8/int4 matrices: each kernel against a plain dequantize-then-matmul reference,
+"""Quantized int8/int4/w8a8 matrices: each kernel against a plain dequantize-then-matmul reference,
 row invariance (any split of the rows gives bitwise the same result), fallbacks, and models."""
 
 from __future__ import annotations
@@ -126,18 +126,10 @@ def test_quantized_model_tracks_float_logits(tiny, kind):
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
 def test_quantized_rows_of_different_lengths_match_forwards_alone(tiny, kind):
+    from test_native import ragged_rows
+
     native = NativeCausalLM.from_pretrained(tiny, dtype=torch.bfloat16, quant=kind)
-    g = torch.Generator().manual_seed(6)
-    prefixes = [torch.randint(0, 96, (1, n), generator=g) for n in (0, 9, 3)]
-    news = [torch.randint(0, 96, (n,), generator=g) for n in (6, 4, 1)]
-    alone, caches = [], []
-    for prefix, new in zip(prefixes, news):
-        cache = native.new_cache(4)
-        if prefix.shape[1]:
-            native.forward(prefix, cache)
-        alone.append(native.forward(new[None], cache))
-        caches.append(cache)
-        cache.trim(prefix.shape[1])
+    _, news, caches, alone = ragged_rows(native)
     for got, want in zip(native.forward_rows(news, caches), alone):
         assert torch.equal(got, want)
 
