@@ -32,7 +32,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check src tests
 
 test: setup browser lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

@@ -141,3 +141,15 @@ def test_bad_policy_names_and_k():
         make_policy("sometimes", 4)
     with pytest.raises(ConfigError):
         make_policy("fixed", 0)
+
+
+def test_auto_reach_and_unjudged_positions():
+    """Reach counts how often each asked-for position was drafted; a rejection early in the
+    chain leaves deeper estimates where they were (they were not judged)."""
+    policy = AutoK(4, costs=constant_costs(0.001, FLAT))
+    policy.reset()
+    policy.update(2, 2, 0, 0, planned=4)  # asked for 4, a confidence stop drafted 2, both accepted
+    assert policy.reach_by_position()[:2] == [1.0, 1.0] and policy.reach_by_position()[2] < 1.0
+    deep = policy.cond[3]
+    policy.update(4, 0, 0, 0, planned=4)  # the first draft rejected: positions 2-4 were not judged
+    assert policy.cond[3] == deep and policy.cond[0] < 0.6

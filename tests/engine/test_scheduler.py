@@ -302,3 +302,17 @@ def test_real_model_mixed_batch_is_greedy_identical():
     got = [engine.submit(p, cfg, s) for p, s in zip(ids, specs)]
     engine.run()
     assert [r.result.token_ids for r in got] == expected
+
+
+def test_positions_a_request_rarely_drafts_cost_in_proportion():
+    """A confidence stop drafts deep positions only sometimes: asking for them costs rows and
+    draft time in proportion to how often they come, so the planner asks as deep as pays."""
+    costs = ForwardCosts(ema=1.0)
+    for n in (1, 200):
+        costs.observe(n, 0.010 + 0.002 * (n - 1))  # each row costs a fifth of a one-row forward
+    accept = [0.8, 0.6, 0.45, 0.35]
+    always = Candidate(accept, draft_s_per_token=0.001, k_max=4)
+    sometimes = Candidate(accept, draft_s_per_token=0.001, k_max=4, reach_by_position=[0.9, 0.5, 0.2, 0.1])
+    assert plan([sometimes], 0, 0.0, costs) >= plan([always], 0, 0.0, costs)
+    never = Candidate(accept, draft_s_per_token=0.001, k_max=4, reach_by_position=[0.0] * 4)
+    assert plan([never], 0, 0.0, costs) == [0]  # nothing ever drafted: nothing to gain

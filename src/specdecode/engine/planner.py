@@ -33,13 +33,15 @@ class ForwardCosts:
         self._slope: float | None = None  # cached fit; None after a new measurement
 
     def observe(self, rows: int, seconds: float) -> None:
+        """One forward over ``rows`` rows took ``seconds`` (rows may be asked for as expected,
+        fractional counts)."""
         old = self.points.get(rows)
         if old is None:
             bisect.insort(self._xs, rows)
         self.points[rows] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
         self._slope = None
 
-    def __call__(self, rows: int) -> float:
+    def __call__(self, rows: float) -> float:
         pts, xs = self.points, self._xs
         if rows in pts:
             return pts[rows]
@@ -71,12 +73,22 @@ class ForwardCosts:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A request the planner chooses k for: cumulative acceptance a(1..k_max), draft s/token."""
+    """A request the planner chooses k for: cumulative acceptance a(1..k_max) of drafted
+    positions, draft s/token, and reach s(1..k_max), the chance it drafts position i when asked
+    (below 1 for a confidence stop or a lookup that can miss; None: it always drafts k)."""
 
     accept_by_position: Sequence[float]
     draft_s_per_token: float
     k_max: int
     k_min: int = 0  # a probe: at least this many drafts (to re-measure acceptance)
+    reach_by_position: Sequence[float] | None = None
+
+    def reach(self, i: int) -> float:
+        return 1.0 if self.reach_by_position is None else self.reach_by_position[i]
+
+    def gain(self, i: int) -> float:
+        """Expected committed tokens that asking for draft i + 1 adds."""
+        return self.reach(i) * self.accept_by_position[i]
 
 
 def plan(candidates: Sequence[Candidate], other_rows: int, other_tokens: float, costs: ForwardCosts) -> list[int]:
@@ -84,28 +96,30 @@ def plan(candidates: Sequence[Candidate], other_rows: int, other_tokens: float, 
 
     ``other_rows``/``other_tokens``: rows and expected tokens of the step's other requests
     (prefill chunks, requests with their own fixed k). Greedy on marginal gains: acceptance
-    never rises with depth, so each request's extra drafts are worth less and less.
+    never rises with depth, so each request's extra drafts are worth less and less. A position
+    a request drafts only sometimes (reach s < 1) costs and yields in proportion: rows and draft
+    time are expected values, so a confidence stop keeps its own say on how deep to go.
     """
     ks = [c.k_min for c in candidates]
-    tokens = other_tokens + sum(1 + sum(c.accept_by_position[:k]) for c, k in zip(candidates, ks))
-    rows = other_rows + sum(k + 1 for k in ks)
-    draft = sum(c.draft_s_per_token * k for c, k in zip(candidates, ks))
+    tokens = other_tokens + sum(1 + sum(c.gain(i) for i in range(k)) for c, k in zip(candidates, ks))
+    rows = other_rows + sum(1 + sum(c.reach(i) for i in range(k)) for c, k in zip(candidates, ks))
+    draft = sum(c.draft_s_per_token * sum(c.reach(i) for i in range(k)) for c, k in zip(candidates, ks))
     rate = tokens / (costs(rows) + draft)
     while True:
         best, best_rate = -1, rate
-        step_cost = costs(rows + 1)
         for i, c in enumerate(candidates):
             k = ks[i]
             if k >= c.k_max:
                 continue
-            r = (tokens + c.accept_by_position[k]) / (step_cost + draft + c.draft_s_per_token)
+            s = c.reach(k)
+            r = (tokens + c.gain(k)) / (costs(rows + s) + draft + c.draft_s_per_token * s)
             if r > best_rate * (1 + 1e-9):
                 best, best_rate = i, r
         if best < 0:
             return ks
-        c = candidates[best]
-        tokens += c.accept_by_position[ks[best]]
-        draft += c.draft_s_per_token
-        rows += 1
+        c, k = candidates[best], ks[best]
+        tokens += c.gain(k)
+        rows += c.reach(k)
+        draft += c.draft_s_per_token * c.reach(k)
         ks[best] += 1
         rate = best_rate

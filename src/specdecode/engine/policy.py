@@ -24,8 +24,9 @@ class KPolicy(Protocol):
         """Drafts to request this round, in 0..k_max; ``batch``: requests decoding in the step."""
         ...
 
-    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        """Outcome and timing of the round just finished (verify_s: one forward over drafted + 1)."""
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float, planned: int | None = None) -> None:
+        """Outcome and timing of the round just finished (verify_s: one forward over drafted + 1;
+        ``planned``: the k asked for, when the proposer drafted fewer; None: as many as drafted)."""
         ...
 
 
@@ -43,7 +44,7 @@ class FixedK:
     def next_k(self, batch: int = 1) -> int:
         return self.k_max
 
-    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float, planned: int | None = None) -> None:
         pass
 
 
@@ -64,7 +65,7 @@ class HeuristicK:
     def next_k(self, batch: int = 1) -> int:
         return self.k
 
-    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float, planned: int | None = None) -> None:
         if drafted == 0:
             return
         self.k = min(self.k + 2, self.k_max) if accepted == drafted else max(self.k - 1, 1)
@@ -91,7 +92,7 @@ class BatchTableK:
     def next_k(self, batch: int = 1) -> int:
         return self.k_for(batch)
 
-    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float, planned: int | None = None) -> None:
         pass
 
     def describe(self) -> str:
@@ -164,8 +165,14 @@ class AutoK:
     def reset(self) -> None:
         self.costs: Costs = self.fixed_costs or MeasuredCosts()
         self.cond = [self.prior] * self.k_max  # P(accept position i | all before accepted)
+        # P(the proposer drafts position i | asked for it): a confidence stop or a lookup that
+        # finds nothing drafts fewer than asked, and undrafted positions cost nothing
+        self.reach = [1.0] * self.k_max
         self.k = min(4, self.k_max)
         self.off_rounds = 0
+
+    def reach_by_position(self) -> list[float]:
+        return list(self.reach)
 
     def accept_by_position(self) -> list[float]:
         cum, run = [], 1.0
@@ -184,15 +191,23 @@ class AutoK:
                 return self.probe_k
         return self.k
 
-    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float, planned: int | None = None) -> None:
+        for i in range(min(drafted if planned is None else planned, self.k_max)):
+            self.reach[i] = _ema(self.reach[i], float(i < drafted), self.ema)
         if isinstance(self.costs, MeasuredCosts):
             self.costs.observe(drafted, accepted, draft_s, verify_s)
         judged = min(accepted + 1, drafted)  # positions the target actually judged
         for i in range(judged):
             self.cond[i] = _ema(self.cond[i], float(i < accepted), self.ema)
-        for i in range(judged, self.k_max):  # unjudged positions drift toward the last judged one
-            if judged:
-                self.cond[i] = _ema(self.cond[i], self.cond[judged - 1], self.ema)
+        # Positions the target did not judge only drift up, toward the last judged one (a fully
+        # accepted round hints the run goes on). Pulling them down too made a low k keep itself
+        # low: deep positions, often accepted once the first is, were never seen again. cond[0]
+        # alone still turns a useless draft off.
+        if judged:
+            last = self.cond[judged - 1]
+            for i in range(judged, self.k_max):
+                if last > self.cond[i]:
+                    self.cond[i] = _ema(self.cond[i], last, self.ema)
         best = best_k(self.k_max, self.accept_by_position(), self.costs.draft_s_per_token(), self.costs.verify_s)
         if best != self.k and self.rate(best) > (1 + self.margin) * self.rate(self.k):
             self.k = best

@@ -296,7 +296,7 @@ class Request:
         m.record_round(drafted, accepted, len(committed))
         if self.proposer is not None and not self.spec.shadow:
             m.k_history.append(drafted)
-            self.policy.update(drafted, accepted, self.draft_share, verify_s)
+            self.policy.update(drafted, accepted, self.draft_share, verify_s, planned=self.k)
         self.context.extend(committed)
         event = self.output.add(committed)
         if self.config.logprobs is not None and event.token_ids:

@@ -254,6 +254,7 @@ class Engine:
                     self._draft_cost(r),
                     k_max,
                     min(self.config.probe_k, k_max) if probe else 0,
+                    r.policy.reach_by_position(),
                 )
             )
         for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.costs)):
