@@ -60,9 +60,9 @@ def build_draft(target: LoadedModel, draft: DraftArg = None, **options: Any) -> 
         options.pop("dtype", None)  # it runs in the target's dtype, on the target's own layers
         model = shipped_draft(target.model, target.source) if draft is None else load_distilled(target.model, draft)[0]
         return DraftModelProposer(model, **options)
+    dtype = options.pop("dtype", target.dtype)  # of a draft loaded here; a loaded one keeps its own
     if not isinstance(draft, LoadedModel):
-        draft = load_model(draft, dtype=options.pop("dtype", target.dtype))
-    options.pop("dtype", None)
+        draft = load_model(draft, dtype=dtype)
     check_compatible(target, draft)
     return DraftModelProposer(draft.model, **options)
 
@@ -73,9 +73,9 @@ def build_xtok(target: LoadedModel, draft: DraftArg = None, **options: Any) -> P
 
     if draft is None:
         raise ConfigError("method 'xtok' needs a draft model (--draft PATH)")
+    dtype = options.pop("dtype", target.dtype)
     if not isinstance(draft, LoadedModel):
-        draft = load_model(draft, dtype=options.pop("dtype", target.dtype))
-    options.pop("dtype", None)
+        draft = load_model(draft, dtype=dtype)
     return CrossTokenizerProposer(draft, target.tokenizer, **options)
 
 

@@ -33,8 +33,6 @@ class ForwardCosts:
         self._slope: float | None = None  # cached fit; None after a new measurement
 
     def observe(self, rows: int, seconds: float) -> None:
-        """One forward over ``rows`` rows took ``seconds`` (rows may be asked for as expected,
-        fractional counts)."""
         old = self.points.get(rows)
         if old is None:
             bisect.insort(self._xs, rows)
@@ -42,6 +40,7 @@ class ForwardCosts:
         self._slope = None
 
     def __call__(self, rows: float) -> float:
+        """Seconds of a forward over ``rows`` (the planner asks for expected, fractional counts)."""
         pts, xs = self.points, self._xs
         if rows in pts:
             return pts[rows]
@@ -101,12 +100,13 @@ def plan(candidates: Sequence[Candidate], other_rows: int, other_tokens: float, 
     time are expected values, so a confidence stop keeps its own say on how deep to go.
     """
     ks = [c.k_min for c in candidates]
+    drafted = [sum(c.reach(i) for i in range(k)) for c, k in zip(candidates, ks)]  # expected drafts
     tokens = other_tokens + sum(1 + sum(c.gain(i) for i in range(k)) for c, k in zip(candidates, ks))
-    rows = other_rows + sum(1 + sum(c.reach(i) for i in range(k)) for c, k in zip(candidates, ks))
-    draft = sum(c.draft_s_per_token * sum(c.reach(i) for i in range(k)) for c, k in zip(candidates, ks))
+    rows = other_rows + len(candidates) + sum(drafted)
+    draft = sum(c.draft_s_per_token * d for c, d in zip(candidates, drafted))
     rate = tokens / (costs(rows) + draft)
     while True:
-        best, best_rate = -1, rate
+        best, best_rate, best_s = -1, rate, 0.0
         for i, c in enumerate(candidates):
             k = ks[i]
             if k >= c.k_max:
@@ -114,12 +114,12 @@ def plan(candidates: Sequence[Candidate], other_rows: int, other_tokens: float, 
             s = c.reach(k)
             r = (tokens + c.gain(k)) / (costs(rows + s) + draft + c.draft_s_per_token * s)
             if r > best_rate * (1 + 1e-9):
-                best, best_rate = i, r
+                best, best_rate, best_s = i, r, s
         if best < 0:
             return ks
-        c, k = candidates[best], ks[best]
-        tokens += c.gain(k)
-        rows += c.reach(k)
-        draft += c.draft_s_per_token * c.reach(k)
+        c = candidates[best]
+        tokens += c.gain(ks[best])
+        rows += best_s
+        draft += c.draft_s_per_token * best_s
         ks[best] += 1
         rate = best_rate

@@ -155,11 +155,11 @@ def _w8a8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Te
     """Rows quantized to int8 on the fly, each by its own absmax (so a row never depends on the
     others), an exact int32 matmul (``torch._int_mm``: oneDNN/AMX, flat in the number of rows),
     then both scales: ``x`` [n, in] bf16 -> [n, out] bf16."""
-    xf = x.float()
+    xf = x.float()  # a copy (x is bf16), so it is rounded in place below
     row_scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12)  # [n, 1]
-    xq = (xf / row_scale).round_().clamp_(-127, 127).to(torch.int8)
+    xq = xf.div_(row_scale).round_().clamp_(-127, 127).to(torch.int8)
     acc = torch._int_mm(xq, q.t())  # [n, out] int32, exact
-    return (acc.float() * row_scale * scales).to(ACT)
+    return torch.mul(acc, row_scale).mul_(scales).to(ACT)  # one float [n, out] temporary, not two
 
 
 def int4_fits(shape: tuple[int, int]) -> bool:
