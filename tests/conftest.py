@@ -33,6 +33,7 @@ SPLIT_BY_FUNCTION = ("tests/engine/test_real_model.py", "tests/proposers/test_hy
 RAY_FILES = ("tests/serve/test_ray.py", "tests/serve/test_cli_serve.py", "tests/serve/test_ray_config.py")
 # The longest groups go first, so that no worker is left running one of them alone at the end.
 LONG_FIRST = (
+    "tests/engine/test_qwen_pair.py",
     "tests/engine/test_real_model.py",
     "tests/proposers/test_hybrid.py",
     "ray",

@@ -115,3 +115,54 @@ def test_hybrid_without_a_trained_drafter_is_refused(drafters):
 
     with pytest.raises(ConfigError, match="needs a trained drafter"):
         api.best_drafter(TARGET)
+
+
+@pytest.fixture
+def installed_draft(tmp_path, monkeypatch):
+    """A catalog draft model, installed (its file in a scratch model cache)."""
+    from specdecode.models import catalog
+
+    model = catalog.CatalogModel("tiny-draft", "tiny", "tiny-draft.gguf", (), 4, "0" * 64, "a test draft")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setitem(catalog.CATALOG, model.name, model)
+    return model
+
+
+def ship_with_draft(root, method: str, speedup: float, draft: str) -> None:
+    ship(root, method, speedup)
+    card = root / "tiny-chat" / method / "card.json"
+    data = json.loads(card.read_text())
+    data["benchmark"]["settings"] = {"k": 5, "draft": draft, "draft_dtype": "int4"}
+    card.write_text(json.dumps(data))
+
+
+def test_a_card_measured_with_a_named_draft_counts_only_once_that_draft_is_installed(
+    drafters, installed_draft, monkeypatch
+):
+    from specdecode import api
+    from specdecode.models import catalog
+
+    ship(drafters, "suffix", 1.3)
+    ship_with_draft(drafters, "draft", 1.8, installed_draft.name)
+    assert best_method(TARGET) == "suffix"  # the 1.8x needs a draft that is not installed
+    assert best_method(TARGET, draft_given=True) == "draft"  # unless the caller brings one
+    path = catalog.cached_path(installed_draft)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"GGUF")
+    assert best_method(TARGET) == "draft"
+    assert api.measured_draft(TARGET) == ("tiny-draft", "int4")
+    seen = {}
+    monkeypatch.setattr(
+        api,
+        "make_proposer",
+        lambda method, target, draft, **o: seen.update(o, method=method, draft=draft) or SimpleNamespace(name=method),
+    )
+    monkeypatch.setattr(api, "Decoder", lambda model, proposer, k, **o: seen.update(k=k))
+    api.SpeculativeGenerator(api.LoadedModel(model=None, tokenizer=None, source=TARGET.source))
+    assert seen == {"method": "draft", "draft": "tiny-draft", "dtype": "int4", "k": 5}
+
+
+def test_a_measured_suffix_card_is_picked_over_ngram(drafters):
+    ship(drafters, "suffix", 1.5, ngram=1.2)
+    assert best_method(TARGET) == "suffix"
+    assert best_method(SimpleNamespace(source="/models/Other-Model-abc")) == "ngram"  # another target's card

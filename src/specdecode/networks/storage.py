@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,8 +24,11 @@ CARD_FILE = "card.json"
 
 
 def drafter_name(source: str | Path) -> str:
-    """The drafter folder name of a model folder: 'SmolLM2-135M-Instruct.Q4_1-<hash>' -> 'smollm2-135m-instruct'."""
-    return Path(str(source)).name.split(".")[0].lower()
+    """The drafter folder name of a model folder, without the cache's hash and the file's
+    quantization: 'SmolLM2-135M-Instruct.Q4_1-<hash>' -> 'smollm2-135m-instruct',
+    'qwen2.5-coder-1.5b-instruct-q4_k_m-<hash>' -> 'qwen2.5-coder-1.5b-instruct'."""
+    name = re.sub(r"-[0-9a-f]{12}$", "", Path(str(source)).name)  # the cache folder's hash
+    return re.sub(r"[.-](i?q\d\w*|f16|f32|bf16)(-[0-9a-f]+)?$", "", name, flags=re.IGNORECASE).lower()
 
 
 def shipped_head_dir(source: str | Path, kind: str = "eagle") -> Path:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdecode.api import make_proposer, resolve_speculation
+from specdecode.api import make_proposer, measured_draft, resolve_speculation
 from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Engine, EngineConfig, GenerationConfig, Speculation
 from specdecode.errors import ConfigError
@@ -80,6 +80,8 @@ class ModelSource:
         draft: Any = self.draft
         if self.draft is not None and self.method in ("draft", "xtok"):
             draft = load_model(self.draft, dtype=self.dtype)
+        elif self.draft is None and self.method == "auto" and (measured := measured_draft(target)):
+            draft = load_model(measured[0], dtype=measured[1])  # once, shared by every request
         return target, draft
 
 
