@@ -94,6 +94,9 @@ def _block(results, best, rows, overall, settings, ngram) -> dict[str, Any]:
         f"prompts per category, {config['max_new_tokens']} new tokens",
         "command": shlex.join(results["command"]),
     }
+    machine = results.get("machine") or {}
+    if machine:  # a kernel's speed differs between hosts: say which one measured it
+        block["host"] = f"{machine.get('cpu')}, {machine.get('torch_threads')} threads, torch {machine.get('torch')}"
     method = base_method(best["method"])
     trees = [a for a in overall.values() if a["method"] == method + TREE_SUFFIX]
     if trees:
