@@ -73,7 +73,9 @@ def test_draft_method_is_token_identical_to_plain(pair, prompts, plain, k):
     target, draft = pair
     proposer = make_proposer("draft", target, draft)
     policy = make_policy("auto", 6) if k == "auto" else None
-    decoder = Decoder(target.model, proposer, 6 if k == "auto" else k, policy=policy, eos_token_ids=target.eos_token_ids)
+    decoder = Decoder(
+        target.model, proposer, 6 if k == "auto" else k, policy=policy, eos_token_ids=target.eos_token_ids
+    )
     accepted = 0
     for ids, want in zip(prompts, plain):
         out = decoder.generate(ids, CFG)
