@@ -14,10 +14,10 @@ from specdecode.methods import (  # noqa: F401
     COMPOSED,
     CONFIDENCE_METHODS,
     FALLBACK,
+    MEASURED,
     METHODS,
     TRAINED,
     TREE_ONLY,
-    method_names,
     method_spec,
 )
 from specdecode.models.loading import LoadedModel, load_model
@@ -45,26 +45,31 @@ def best_method(target: LoadedModel, draft_given: bool = False) -> str:
     records the best measured speedup, if it beat both plain decoding and n-gram lookup in that
     same run; else n-gram. A card measured with a named draft model counts only when that draft
     is installed (or ``draft_given``: the caller brings one)."""
-    best, best_speedup = FALLBACK, 1.0
-    for method, card in shipped_drafters(target, measured_methods()).items():
+    return _auto_choice(target, draft_given)[0]
+
+
+def _auto_choice(target: LoadedModel, draft_given: bool) -> tuple[str, dict[str, Any]]:
+    """:func:`best_method` and its card's settings (:func:`benchmarked_settings`), the cards read once."""
+    best, best_speedup, settings = FALLBACK, 1.0, {}
+    for method, card in shipped_drafters(target, MEASURED).items():
         bench = card.get("benchmark") or {}
-        if not (draft_given or _draft_installed((bench.get("settings") or {}).get("draft"))):
+        measured = bench.get("settings") or {}
+        if not (draft_given or _draft_installed(measured.get("draft"))):
             continue
         speedup = float(bench.get("speedup", 0.0))
         if speedup > max(best_speedup, float(bench.get("ngram_speedup", 1.0))):
-            best, best_speedup = method, speedup
-    return best
-
-
-def measured_methods() -> tuple[str, ...]:
-    """Every registered method a card can record (all but plain decoding and ``auto`` itself)."""
-    return tuple(m for m in method_names() if m not in ("none", "auto"))
+            best, best_speedup, settings = method, speedup, measured
+    return best, _kept(settings)
 
 
 def measured_draft(target: LoadedModel) -> tuple[str, str] | None:
     """The draft model (name, dtype) that what ``method="auto"`` picks was measured with; None
     when it needs none. Servers load it once beside the target."""
-    settings = benchmarked_settings(target, best_method(target))
+    return _card_draft(_auto_choice(target, False)[1], target)
+
+
+def _card_draft(settings: dict[str, Any], target: LoadedModel) -> tuple[str, str] | None:
+    """The (name, dtype) of the draft model a card's ``settings`` were measured with, if any."""
     if "draft" not in settings:
         return None
     return settings["draft"], settings["draft_dtype"] if "draft_dtype" in settings else target.dtype
@@ -99,8 +104,12 @@ def best_drafter(target: LoadedModel) -> str:
 def benchmarked_settings(target: LoadedModel, method: str) -> dict[str, Any]:
     """The settings (k, policy, confidence; the hybrid's drafter) a shipped card says its speedup was
     measured with, so that ``method="auto"`` runs what was measured; empty for anything else."""
-    card = shipped_drafters(target, measured_methods()).get(method) or {}
-    settings = (card.get("benchmark") or {}).get("settings") or {}
+    card = shipped_drafters(target, MEASURED).get(method) or {}
+    return _kept((card.get("benchmark") or {}).get("settings") or {})
+
+
+def _kept(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings ``auto`` runs with, out of a card's."""
     keys = ("k", "policy", "confidence", "drafter", "draft", "draft_dtype")
     return {key: settings[key] for key in keys if key in settings}
 
@@ -162,11 +171,10 @@ def resolve_speculation(
     prototype; by default a new one is built with :func:`make_proposer`.
     """
     chosen = method == "auto"
-    method = best_method(target, draft_given=draft is not None) if chosen else method
-    measured = benchmarked_settings(target, method) if chosen else {}
-    if draft is None and "draft" in measured:  # the draft model the chosen card was measured with
-        draft = measured["draft"]
-        proposer_options.setdefault("dtype", measured.get("draft_dtype", target.dtype))
+    method, measured = _auto_choice(target, draft is not None) if chosen else (method, {})
+    if draft is None and (card_draft := _card_draft(measured, target)):  # what the card measured with
+        draft, dtype = card_draft
+        proposer_options.setdefault("dtype", dtype)
     k = measured.get("k", 4) if k is None else k  # int, or "auto"
     policy = policy or measured.get("policy")
     confidence = measured.get("confidence", 0.5) if confidence is None else confidence

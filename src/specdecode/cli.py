@@ -454,7 +454,7 @@ def cmd_models(argv: list[str]) -> int:
     return 0
 
 
-def _prepare(name: str, path: Any, dtype: str) -> None:
+def _prepare(name: str, path: os.PathLike, dtype: str) -> None:
     """Load ``path`` at a quantized ``dtype`` once: the load stores the packed weights."""
     import time
 

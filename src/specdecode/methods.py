@@ -271,3 +271,6 @@ COMPOSED = _Names(lambda spec: spec.composed)  # built from a trained drafter; t
 TREE_ONLY = _Names(lambda spec: spec.tree_only)  # drafts come from a side branch of the tree forward
 CONFIDENCE_METHODS = _Names(lambda spec: spec.confidence)  # chains that can stop at a token they are unsure of
 FALLBACK = "ngram"  # what "auto" runs without a shipped drafter that pays: best untrained on Spec-Bench
+# what a shipped card can record and ``auto`` can pick from (plain decoding, auto itself and the
+# fallback, whose speedup every card carries as ``ngram_speedup``, get no card)
+MEASURED = _Names(lambda spec: spec.name not in ("none", "auto", FALLBACK))

@@ -25,7 +25,7 @@ CFG = GenerationConfig(max_new_tokens=24)
 
 
 def _installed() -> bool:
-    return all(path is not None for _, path in catalog.installed() if _.family == "qwen2.5-coder")
+    return all(path is not None for model, path in catalog.installed() if model.family == "qwen2.5-coder")
 
 
 if not _installed():

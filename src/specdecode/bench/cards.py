@@ -21,17 +21,13 @@ from typing import Any
 
 from specdecode.bench.runner import CONF_SUFFIX, TREE_SUFFIX, base_method
 from specdecode.errors import InputError
-from specdecode.methods import COMPOSED, FALLBACK, TRAINED, method_names, method_spec
+from specdecode.methods import COMPOSED, MEASURED, TRAINED, method_spec
+from specdecode.models.catalog import CATALOG
 
 COMPOSED_HOW = {
     "hybrid": "prompt lookup when the context's last 2+ tokens occurred before; else the trained drafter "
     "(settings.drafter) with its confidence stop; a 1-token match when that drafter is unsure",
 }
-
-
-def recordable() -> tuple[str, ...]:
-    """The methods a card can record: all but plain decoding, ``auto`` and the fallback."""
-    return tuple(m for m in method_names() if m not in ("none", "auto", FALLBACK))
 
 
 def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -42,42 +38,42 @@ def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ngram = max((a["speedup"] for a in overall.values() if a["method"] == "ngram"), default=None)
     config = results["config"]
     blocks = {}
-    for method in recordable():
+    for method in MEASURED:
         chains = [
             a for a in overall.values() if base_method(a["method"]) == method and not a["method"].endswith(TREE_SUFFIX)
         ]
-        if not chains:
+        drafted = _ran_a_draft_model(method, config)
+        if not chains or (drafted and config.get("draft_name") not in CATALOG):
             continue
-        settings = {}
-        if _ran_a_draft_model(method, config):
-            if not _is_catalog_name(config.get("draft_name")):
-                continue
-            settings = {"draft": config["draft_name"], "draft_dtype": config["draft_dtype"]}
         best = max(chains, key=lambda a: a["speedup"])
-        conf = best["method"].endswith(CONF_SUFFIX)
-        settings = (
-            {"k": best["k"]} | ({"policy": "confidence", "confidence": config["confidence"]} if conf else {}) | settings
-        )
+        settings: dict[str, Any] = {"k": best["k"]}
+        if best["method"].endswith(CONF_SUFFIX):
+            settings |= {"policy": "confidence", "confidence": config["confidence"]}
         if method in COMPOSED:
             settings["drafter"] = config.get("hybrid_drafter")
+        if drafted:
+            settings |= {"draft": config["draft_name"], "draft_dtype": config["draft_dtype"]}
         blocks[method] = _block(results, best, rows, overall, settings, ngram)
     return blocks
 
 
 def _ran_a_draft_model(method: str, config: dict[str, Any]) -> bool:
-    """Whether ``method``'s cells in this run drafted with the run's ``--draft`` model."""
+    """Whether ``method``'s cells in this run drafted with the run's ``--draft`` model (a composed
+    method only when that model was its drafter)."""
     if config.get("draft") is None or not method_spec(method).uses_draft:
         return False
-    return method != "hybrid" or config.get("hybrid_drafter") == "draft"
+    return method not in COMPOSED or config.get("hybrid_drafter") == "draft"
 
 
-def _is_catalog_name(name: str | None) -> bool:
-    from specdecode.models.catalog import CATALOG
-
-    return name in CATALOG
-
-
-def _block(results, best, rows, overall, settings, ngram) -> dict[str, Any]:
+def _block(
+    results: dict[str, Any],
+    best: dict[str, Any],
+    rows: list[dict[str, Any]],
+    overall: dict[str, dict[str, Any]],
+    settings: dict[str, Any],
+    ngram: float | None,
+) -> dict[str, Any]:
+    """One method's block: its best cell ``best``, its per-category rows, its best tree cell."""
     config = results["config"]
     per_cat = [a for a in rows if a["cell"] == best["cell"] and a["category"] != "overall"]
     block = {
@@ -154,13 +150,13 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--methods",
         default=None,
-        help=f"comma list of the cards to update (default: every one the run measured; of {', '.join(recordable())})",
+        help=f"comma list of the cards to update (default: every one the run measured; of {', '.join(MEASURED)})",
     )
     args = p.parse_args(argv)
     methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else None
-    unknown = set(methods or ()) - set(recordable())
+    unknown = set(methods or ()) - set(MEASURED)
     if unknown:
-        raise InputError(f"--methods: unknown {', '.join(sorted(unknown))}; choose from {', '.join(recordable())}")
+        raise InputError(f"--methods: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MEASURED)}")
     for card in record(args.results, args.drafters, methods):
         print(f"updated {card}")
     return 0
