@@ -23,7 +23,7 @@ from specdecode.bench.serve import (
     poisson_arrivals,
     sample_items,
 )
-from specdecode.bench.serve_report import distribution, evaluate_targets, percentile
+from specdecode.bench.serve_report import distribution, evaluate_targets, merge_repeats, percentile
 from specdecode.bench.workload import WorkItem
 from specdecode.engine import Decoder, Engine, GenerationConfig, Speculation
 from specdecode.errors import ConfigError
@@ -237,6 +237,23 @@ def test_targets_are_computed_not_assumed():
     assert all(v["met"] is None for v in evaluate_targets(cells[:1]).values())
 
 
+def test_repeats_report_the_median_run_of_each_cell_and_keep_the_spread():
+    def run(arm, tok_s, tpot):
+        return {"key": f"{arm}|c=1|T=0", "arm": arm, "output_tok_s": tok_s, "tpot_ms": {"p50": tpot}}
+
+    runs = [run("none", 10, 100), run("auto", 14, 70), run("none", 12, 90), run("auto", 11, 95)]
+    runs += [run("none", 11, 80), run("auto", 13, 75)]
+    cells = merge_repeats(runs)
+    assert [c["arm"] for c in cells] == ["none", "auto"]  # first-run order
+    none, auto = cells
+    assert none["output_tok_s"] == 11 and none["tpot_ms"]["p50"] == 80  # one real run's figures, not a mix
+    assert auto["output_tok_s"] == 13 and auto["tpot_ms"]["p50"] == 75
+    assert none["repeats"] == {"n": 3, "output_tok_s": [10, 12, 11], "tpot_p50_ms": [100, 90, 80]}
+    even = merge_repeats([run("none", 10, 1), run("none", 20, 2)])
+    assert even[0]["output_tok_s"] == 10 and even[0]["repeats"]["n"] == 2  # the lower middle
+    assert merge_repeats([run("none", 10, 1)])[0]["repeats"]["n"] == 1
+
+
 # -- the CLI --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
@@ -262,6 +279,8 @@ def tiny_run(tmp_path_factory):
         "40",
         "--max-new-tokens",
         "12",
+        "--repeats",
+        "2",
     ]
     rc, stdout, stderr = run_cli(argv)
     assert rc == 0, stderr
@@ -292,6 +311,7 @@ def test_quick_sweep_writes_every_output_and_ends_with_one_json_line(tiny_run):
         assert c["completed"] == c["requests"] == 4 and c["new_tokens"] > 0
         assert c["output_tok_s"] > 0 and c["req_per_s"] > 0 and c["ttft_ms"]["p50"] > 0
         assert len(c["request_records"]) == 4
+        assert c["repeats"]["n"] == 2 and c["output_tok_s"] in c["repeats"]["output_tok_s"]
         if c["mode"] == "closed":
             assert c["in_flight"]["max"] == c["concurrency"]
         if c["method"] != "none":
@@ -313,6 +333,7 @@ def test_quick_sweep_writes_every_output_and_ends_with_one_json_line(tiny_run):
     assert last["host"]["torch_threads"] == 1 and last["host"]["cpu"]
     assert all(v is None or isinstance(v, bool) for v in last["targets"].values())
     assert "auto c=1 T=0" in last["ratios"]
+    assert all(len(c["tok_s_runs"]) == 2 for c in last["cells"]) and results["config"]["repeats"] == 2
     assert "bench-serve, T=0" in tiny_run["stdout"]  # the human-readable table precedes the JSON line
 
 
@@ -330,6 +351,7 @@ def test_quick_sweep_writes_every_output_and_ends_with_one_json_line(tiny_run):
         ["--max-new-tokens", "0"],
         ["--no-such-flag"],
         ["--k", "two"],
+        ["--repeats", "0"],
     ],
 )
 def test_bad_options_are_one_error_line(argv, tmp_path):

@@ -18,7 +18,7 @@ from helpers import ALPHA, chi_square_pvalue, sequence_law, tiny_llama, tiny_nat
 from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, Engine, EngineConfig, GenerationConfig, Speculation, TreeConfig
 from specdecode.engine.planner import Candidate, ForwardCosts, plan
-from specdecode.engine.policy import make_policy
+from specdecode.engine.policy import AutoK, make_policy
 from specdecode.engine.request import DONE, PREFILL, RUNNING, WAITING
 from specdecode.errors import ConfigError, InputError, QueueFullError
 from specdecode.proposers import DraftModelProposer, NgramProposer
@@ -249,6 +249,20 @@ def test_forward_costs_interpolate_and_extrapolate():
     assert costs(6) == pytest.approx(1.5) and costs(21) == pytest.approx(3.0) and costs.slope() == pytest.approx(0.1)
 
 
+def test_a_noisy_dip_in_the_curve_does_not_read_as_free_rows():
+    """The planner prices drafts from a line through the measured counts nearby, not from the
+    neighbouring point: one fast forward a row further on must not make drafts look free."""
+    costs = ForwardCosts(ema=1.0)
+    for n, s in ((250, 0.5), (500, 1.0), (501, 0.95), (750, 1.5), (1000, 2.0)):
+        costs.observe(n, s)
+    assert costs(501) < costs(500)  # the dip
+    level, slope = costs.line(500)
+    assert level == pytest.approx(1.0, rel=0.05) and slope == pytest.approx(0.002, rel=0.05)
+    weak = Candidate([0.05, 0.01], draft_s_per_token=0.0, k_max=2)
+    assert plan([weak], 499, 31.0, costs) == [0]  # 32 tokens a step: a 5% draft does not pay a row
+    assert costs.line(2) == (costs(2), costs.slope())  # nothing measured nearby: the curve itself
+
+
 def test_planner_speculates_on_a_flat_curve_and_stops_when_rows_get_expensive():
     good = Candidate([0.9, 0.81, 0.73, 0.66], draft_s_per_token=0.001, k_max=4)
     flat, steep = ForwardCosts(ema=1.0), ForwardCosts(ema=1.0)
@@ -259,8 +273,24 @@ def test_planner_speculates_on_a_flat_curve_and_stops_when_rows_get_expensive():
     assert plan([good] * 32, 0, 0.0, steep) == [0] * 32
     poor = Candidate([0.1, 0.01, 0.0, 0.0], draft_s_per_token=0.001, k_max=4)
     assert plan([good, poor], 0, 0.0, flat)[1] <= 1
-    probe = Candidate([0.0] * 4, draft_s_per_token=0.001, k_max=4, k_min=2)
-    assert plan([probe], 0, 0.0, steep) == [2]
+
+
+def test_a_stale_request_is_probed_only_where_optimism_pays():
+    """Off for a while, a request is judged with its acceptance raised to the prior: on a flat
+    curve that brings drafting back (to re-measure); in a saturated batch nothing is forced on it."""
+    policy = AutoK(4)
+    for _ in range(20):
+        policy.update(2, 0, 0.002, 0.01)  # measured useless
+    assert policy.accept_by_position()[0] < 0.01
+    assert policy.optimistic_accept_by_position() == pytest.approx([0.6, 0.36, 0.216, 0.1296])
+    flat, steep = ForwardCosts(ema=1.0), ForwardCosts(ema=1.0)
+    for n in (1, 200):
+        flat.observe(n, 0.010 + 0.00001 * n)
+        steep.observe(n, 0.010 * n)
+    assert plan([Candidate(policy.accept_by_position(), 0.001, 4)], 0, 0.0, flat) == [0]
+    stale = Candidate(policy.optimistic_accept_by_position(), 0.001, 4)
+    assert plan([stale], 0, 0.0, flat)[0] > 0
+    assert plan([stale] * 32, 0, 0.0, steep) == [0] * 32
 
 
 def test_auto_k_switches_off_as_the_batch_grows():
@@ -276,7 +306,7 @@ def test_auto_k_switches_off_as_the_batch_grows():
         engine.submit([1, 2, 3, 1, 2, 3, 1, 2], GenerationConfig(max_new_tokens=12, seed=i), spec)
     engine.run()
     k = engine.k_by_batch_size()
-    assert k[48] < 1.0
+    assert k[48] == 0.0  # off, and no probe forced on a batch where even the prior would not pay
 
 
 # -- the real model ------------------------------------------------------------------------------

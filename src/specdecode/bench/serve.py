@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the in-process engine; --target must name the same model (prompts are tokenized here)",
     )
     p.add_argument("--api-key", default=None, help="with --url: the server's API key")
+    p.add_argument(
+        "--repeats",
+        default="1",
+        help="run every cell this many times, interleaved (the order rotates each time); each cell reports "
+        "its median-throughput run and the spread (default 1)",
+    )
     p.add_argument("--slo-ttft-ms", default="2000", help="goodput: a request meets the SLO within this TTFT")
     p.add_argument("--slo-tpot-ms", default="200", help="goodput: ... and this TPOT (default 200 ms)")
     return p
@@ -195,6 +201,7 @@ class Options:
     url: str | None = None
     api_key: str | None = None
     slo_ms: tuple[float, float] = (2000.0, 200.0)  # (TTFT, TPOT) a request must meet to count as goodput
+    repeats: int = 1  # runs of every cell, interleaved; the median-throughput run is reported
 
     def requests_for(self, point: LoadPoint) -> int:
         if self.requests is not None:
@@ -319,6 +326,7 @@ def parse_options(argv: list[str]) -> Options:
         ),
         max_batch=_int(args.max_batch, "--max-batch") if args.max_batch is not None else top,
         seed=_int(args.seed, "--seed", low=0),
+        repeats=_int(args.repeats, "--repeats"),
         url=args.url,
         api_key=args.api_key,
         slo_ms=(
@@ -824,18 +832,26 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             f"bench-serve: {len(arms)} methods x {len(opts.points)} load points x {len(opts.temperatures)} "
             f"temperatures, up to {n_max} requests x {opts.max_new_tokens} tokens per cell -> {opts.out}"
         )
-        cells = []
+        runs: list[dict[str, Any]] = []
         with tqdm(
-            total=len(plan) * len(arms), desc="bench-serve", unit="cell", file=sys.stderr, dynamic_ncols=True
+            total=len(plan) * len(arms) * opts.repeats,
+            desc="bench-serve",
+            unit="cell",
+            file=sys.stderr,
+            dynamic_ncols=True,
         ) as bar:
-            for j, (temp, point) in enumerate(plan):
-                rotated = arms[j % len(arms) :] + arms[: j % len(arms)]  # no method always runs first
+            turn = 0
+            for temp, point in plan:
                 n = opts.requests_for(point)
-                for arm in rotated:
-                    bar.set_postfix_str(f"{arm.name} {point.label} T={temp:g}", refresh=False)
-                    cells.append(run_cell(engine_target, arm, temp, point, requests[:n], opts))
-                    cells[-1]["peak_rss_mb"] = round(peak_rss_mb(), 1)
-                    bar.update(1)
+                for _ in range(opts.repeats):  # repeats interleave, so a slow spell hits every method
+                    rotated = arms[turn % len(arms) :] + arms[: turn % len(arms)]  # no method always runs first
+                    turn += 1
+                    for arm in rotated:
+                        bar.set_postfix_str(f"{arm.name} {point.label} T={temp:g}", refresh=False)
+                        runs.append(run_cell(engine_target, arm, temp, point, requests[:n], opts))
+                        runs[-1]["peak_rss_mb"] = round(peak_rss_mb(), 1)
+                        bar.update(1)
+        cells = serve_report.merge_repeats(runs)
         results = {
             "schema": 1,
             "bench": "serve",
@@ -857,6 +873,7 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
                 "k_table": BatchTableK(*opts.k_table).describe(),
                 "max_batch": opts.max_batch,
                 "seed": opts.seed,
+                "repeats": opts.repeats,
                 "over": "http" if opts.url else "engine",
                 "url": opts.url,
                 "slo_ms": {"ttft": opts.slo_ms[0], "tpot": opts.slo_ms[1]},

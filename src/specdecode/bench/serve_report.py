@@ -110,6 +110,26 @@ def cell_metrics(
     }
 
 
+def merge_repeats(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One cell per key (arm, load, temperature), in first-run order: of a key's repeated runs, the
+    one with the median output tok/s (the lower middle of an even count), so every figure shown
+    comes from one real run; ``repeats`` keeps each run's throughput and TPOT p50 for the spread."""
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_key.setdefault(run["key"], []).append(run)
+    cells = []
+    for group in by_key.values():
+        ranked = sorted(group, key=lambda c: c["output_tok_s"] or 0.0)
+        cell = dict(ranked[(len(ranked) - 1) // 2])
+        cell["repeats"] = {
+            "n": len(group),
+            "output_tok_s": [c["output_tok_s"] for c in group],
+            "tpot_p50_ms": [c["tpot_ms"]["p50"] for c in group],
+        }
+        cells.append(cell)
+    return cells
+
+
 def _mean_k(history: list[int], calls_k: list[tuple[float, int]]) -> float:
     """Mean drafts per round: from each round's k, or (over HTTP, where usage reports each
     request's mean k) weighted by the request's rounds."""
@@ -297,7 +317,7 @@ def row_cells(c: dict[str, Any]) -> list[str]:
         c["arm"],
         _f(c["req_per_s"], 2),
         _f(c.get("goodput_req_s"), 2),
-        _f(c["output_tok_s"], 1),
+        _f(c["output_tok_s"], 1) + _spread(c),
         _f(r.get("output_tok_s"), 2, "x") if c["method"] != "none" else "1.00x",
         _ms(c["ttft_ms"]),
         _ms(c["tpot_ms"]),
@@ -309,6 +329,12 @@ def row_cells(c: dict[str, Any]) -> list[str]:
         _k_by_batch(c),
         _f(c.get("peak_rss_mb"), 0),
     ]
+
+
+def _spread(c: dict[str, Any]) -> str:
+    """`` (lo-hi)`` over a repeated cell's runs; nothing for a single run."""
+    values = [v for v in (c.get("repeats") or {}).get("output_tok_s", []) if v is not None]
+    return f" ({min(values):.1f}-{max(values):.1f})" if len(values) > 1 else ""
 
 
 def _sorted_cells(results: dict[str, Any], temp: float) -> list[dict[str, Any]]:
@@ -601,6 +627,9 @@ def summary_json(results: dict[str, Any], out: Path) -> str:
                 "mean_k": _round(c["mean_k"], 2),
             }
         )
+        runs = (c.get("repeats") or {}).get("output_tok_s") or []
+        if len(runs) > 1:
+            cells[-1]["tok_s_runs"] = [_round(v, 2) for v in runs]
         if c["method"] != "none" and c.get("vs_plain"):
             ratio[f"{c['arm']} {c['load']['label']} T={c['temperature']:g}"] = {
                 "tok_s": _round(c["vs_plain"]["output_tok_s"]),

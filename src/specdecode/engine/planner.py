@@ -53,6 +53,24 @@ class ForwardCosts:
         x0 = xs[-1] if i else xs[0]
         return max(pts[x0] + self.slope() * (rows - x0), 1e-9)
 
+    def line(self, rows: int) -> tuple[float, float]:
+        """(seconds at ``rows``, extra seconds per extra row) from a least-squares line through the
+        measured row counts within a factor of two of ``rows`` (and at least 8 rows either side).
+
+        The planner prices the drafts it adds from this line, not from neighbouring points: one
+        noisy neighbour a few rows away can look cheaper, and a curve that dips reads as free rows.
+        Fewer than two counts in the window: the curve's value and its overall slope.
+        """
+        lo, hi = min(rows / 2, rows - 8), max(2 * rows, rows + 8)
+        xs = self._xs[bisect.bisect_left(self._xs, lo) : bisect.bisect_right(self._xs, hi)]
+        if len(xs) < 2:
+            return self(rows), self.slope()
+        ys = [self.points[x] for x in xs]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0)
+        return max(my + slope * (rows - mx), 1e-9), slope
+
     def slope(self) -> float:
         """Extra seconds per extra row (least squares over the measured row counts)."""
         if self._slope is None:
@@ -79,7 +97,6 @@ class Candidate:
     accept_by_position: Sequence[float]
     draft_s_per_token: float
     k_max: int
-    k_min: int = 0  # a probe: at least this many drafts (to re-measure acceptance)
     reach_by_position: Sequence[float] | None = None
 
     def reach(self, i: int) -> float:
@@ -90,7 +107,13 @@ class Candidate:
         return self.reach(i) * self.accept_by_position[i]
 
 
-def plan(candidates: Sequence[Candidate], other_rows: int, other_tokens: float, costs: ForwardCosts) -> list[int]:
+def plan(
+    candidates: Sequence[Candidate],
+    other_rows: int,
+    other_tokens: float,
+    costs: ForwardCosts,
+    prefill_rows: int = 0,
+) -> list[int]:
     """k for each candidate, maximising the step's predicted committed tokens per second.
 
     ``other_rows``/``other_tokens``: rows and expected tokens of the step's other requests
@@ -98,13 +121,23 @@ def plan(candidates: Sequence[Candidate], other_rows: int, other_tokens: float, 
     never rises with depth, so each request's extra drafts are worth less and less. A position
     a request drafts only sometimes (reach s < 1) costs and yields in proportion: rows and draft
     time are expected values, so a confidence stop keeps its own say on how deep to go.
+
+    ``prefill_rows`` (part of ``other_rows``) is prompt work the step does whatever k is: its
+    share of the forward is not charged to decoding. Charged, a step carrying a long prefill
+    chunk looks so slow per token that any draft seems worth a row, and on a saturated machine
+    those rows cost the whole run time.
     """
-    ks = [c.k_min for c in candidates]
-    drafted = [sum(c.reach(i) for i in range(k)) for c, k in zip(candidates, ks)]  # expected drafts
-    tokens = other_tokens + sum(1 + sum(c.gain(i) for i in range(k)) for c, k in zip(candidates, ks))
-    rows = other_rows + len(candidates) + sum(drafted)
-    draft = sum(c.draft_s_per_token * d for c, d in zip(candidates, drafted))
-    rate = tokens / (costs(rows) + draft)
+    ks = [0] * len(candidates)
+    rows = other_rows + len(candidates)
+    level, slope = costs.line(rows)
+    base = max(level - slope * prefill_rows, 0.05 * level)  # the decoding share of the step
+
+    def forward(n: float) -> float:  # decoding's share of a forward over n rows
+        return base + slope * (n - other_rows - len(candidates))
+
+    tokens = other_tokens + len(candidates)
+    draft = 0.0
+    rate = tokens / forward(rows)
     while True:
         best, best_rate, best_s = -1, rate, 0.0
         for i, c in enumerate(candidates):
@@ -112,7 +145,7 @@ def plan(candidates: Sequence[Candidate], other_rows: int, other_tokens: float, 
             if k >= c.k_max:
                 continue
             s = c.reach(k)
-            r = (tokens + c.gain(k)) / (costs(rows + s) + draft + c.draft_s_per_token * s)
+            r = (tokens + c.gain(k)) / (forward(rows + s) + draft + c.draft_s_per_token * s)
             if r > best_rate * (1 + 1e-9):
                 best, best_rate, best_s = i, r, s
         if best < 0:

@@ -14,7 +14,7 @@ POLICIES = ("fixed", "heuristic", "confidence", "auto")
 class KPolicy(Protocol):
     name: str
     k_max: int
-    batch_planned: bool  # the engine picks k for the whole batch from this policy's live acceptance
+    batch_planned: bool  # True only for a PlannedPolicy: the engine picks k for the whole batch
 
     def reset(self) -> None:
         """Start a new request."""
@@ -27,6 +27,22 @@ class KPolicy(Protocol):
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float, planned: int | None = None) -> None:
         """Outcome and timing of the round just finished (verify_s: one forward over drafted + 1;
         ``planned``: the k asked for, when the proposer drafted fewer; None: as many as drafted)."""
+        ...
+
+
+class PlannedPolicy(KPolicy, Protocol):
+    """A policy with ``batch_planned`` True: the engine's batch planner reads its live estimates."""
+
+    def accept_by_position(self) -> list[float]:
+        """P(drafts 1..i all accepted), i = 1..k_max."""
+        ...
+
+    def optimistic_accept_by_position(self) -> list[float]:
+        """The same with each position's conditional acceptance raised to at least the prior."""
+        ...
+
+    def reach_by_position(self) -> list[float]:
+        """P(the proposer drafts position i | asked for it), i = 1..k_max."""
         ...
 
 
@@ -178,6 +194,15 @@ class AutoK:
         cum, run = [], 1.0
         for a in self.cond:
             run *= a
+            cum.append(run)
+        return cum
+
+    def optimistic_accept_by_position(self) -> list[float]:
+        """:meth:`accept_by_position` with every position's conditional acceptance at least the
+        prior: what a request is worth when its low estimates are old (the batch planner's probe)."""
+        cum, run = [], 1.0
+        for a in self.cond:
+            run *= max(a, self.prior)
             cum.append(run)
         return cum
 

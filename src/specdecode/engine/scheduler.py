@@ -53,12 +53,13 @@ class EngineConfig:
     kv_budget: int | None = None
     prefill_chunk: int = 512
     max_queue: int | None = None
-    probe_every: int = 8  # planned steps at k = 0 before a short probe re-measures acceptance
-    probe_k: int = 2
+    # planned steps at k = 0 before the planner looks at a request again as if unmeasured (its
+    # acceptance raised to the prior): it drafts again only where that optimism would pay
+    probe_every: int = 8
     step_log: int = 10_000  # recent steps kept for reports (a long-running engine must not grow)
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "prefill_chunk", "probe_every", "probe_k", "step_log"):
+        for name in ("max_batch", "prefill_chunk", "probe_every", "step_log"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -246,18 +247,14 @@ class Engine:
             return
         candidates = []
         for r in planned:
-            k_max = r.clip(r.policy.k_max)
-            probe = r.off_steps + 1 >= self.config.probe_every
+            # Off for a while: judge the request as if unmeasured. Where even that optimism would
+            # not pay (a saturated batch), no probe is forced on it: held off is plain decoding.
+            stale = r.off_steps + 1 >= self.config.probe_every
+            accept = r.policy.optimistic_accept_by_position() if stale else r.policy.accept_by_position()
             candidates.append(
-                Candidate(
-                    r.policy.accept_by_position(),
-                    self._draft_cost(r),
-                    k_max,
-                    min(self.config.probe_k, k_max) if probe else 0,
-                    r.policy.reach_by_position(),
-                )
+                Candidate(accept, self._draft_cost(r), r.clip(r.policy.k_max), r.policy.reach_by_position())
             )
-        for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.costs)):
+        for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.costs, prefill_rows)):
             r.k = k
             r.off_steps = r.off_steps + 1 if k == 0 else 0
 
