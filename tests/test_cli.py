@@ -35,6 +35,8 @@ def assert_clean_error(proc: subprocess.CompletedProcess, needle: str) -> None:
         (["generate", "hi", "--target", "/no/such/model"], "model path not found: /no/such/model"),
         (["generate", "   "], "empty prompt"),
         (["generate", "hi", "--drafter", "eagle"], "use it with --method hybrid"),
+        (["generate", "hi", "--draft-vocab", "8"], "--draft-vocab needs --draft"),
+        (["generate", "hi", "--draft-vocab", "0"], "--draft-vocab"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, needle):

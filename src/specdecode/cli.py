@@ -55,6 +55,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
 
 
+def _draft(args: argparse.Namespace) -> Any:
+    """``--draft`` as given (a path), or loaded here and cut to ``--draft-vocab`` tokens."""
+    if args.draft_vocab is None:
+        return args.draft
+    from specdecode.errors import ConfigError
+    from specdecode.models.loading import load_model
+    from specdecode.models.native import with_draft_vocab
+
+    if not args.draft or args.method not in ("draft", "hybrid"):
+        raise ConfigError("--draft-vocab needs --draft and --method draft or hybrid")
+
+    return with_draft_vocab(load_model(args.draft, dtype=args.draft_dtype or args.dtype), args.draft_vocab)
+
+
 def _generate_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("prompt")
@@ -69,6 +83,12 @@ def _generate_parser(sub: Any) -> None:
         "--draft",
         default=None,
         help="draft model folder or .gguf (methods 'draft', 'xtok'); trained head folder (eagle, medusa)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=_positive_int,
+        default=None,
+        help="the --draft model's logits over its N most common tokens only (methods draft, hybrid)",
     )
     p.add_argument(
         "--k",
@@ -336,7 +356,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         method=args.method,
         k=args.k,
         k_max=args.k_max,
-        draft=args.draft,
+        draft=_draft(args),
         policy=args.policy,
         confidence=args.confidence,
         shadow=args.shadow,

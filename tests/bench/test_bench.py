@@ -225,6 +225,7 @@ def test_advise_without_results_is_a_clear_error(tmp_path):
         ('{"prompt": "a", "category": "x"}\n', ["--methods", "ngram+conf"], "only draft, eagle, medusa, hybrid chains"),
         ('{"prompt": "a", "category": "x"}\n', ["--methods", "none+conf"], "unknown method 'none+conf'"),
         ('{"prompt": "a", "category": "x"}\n', ["--k", "2,zero"], "--k: expected integers"),
+        ('{"prompt": "a", "category": "x"}\n', ["--draft-vocab", "8"], "--draft-vocab needs --draft"),
     ],
 )
 def test_bad_input_is_a_one_line_error(tmp_path, rows, extra, message):

@@ -118,3 +118,17 @@ def test_sampled_run_accepts_plausibly(pair, prompts):
     out = decoder.generate(prompts[0], cfg)
     assert len(out.token_ids) == 32 or out.token_ids[-1] in target.eos_token_ids
     assert 0.4 <= out.stats["acceptance_rate"] < 1.0
+
+
+def test_a_draft_cut_to_its_common_tokens_stays_exact_and_agrees(pair, prompts, plain):
+    """The 0.5B with its 151,936-row head cut to the 32,768 lowest ids (BPE merge order) plus
+    end-of-sequence: greedy output is the plain one, and the draft still agrees often."""
+    from specdecode.api import make_proposer
+    from specdecode.models.native import with_draft_vocab
+
+    target, draft = pair
+    cut = with_draft_vocab(draft, 32_768)
+    assert cut.model.weights.lm_head.shape[0] == 32_768 + len(set(draft.eos_token_ids))  # ChatML's end ids lie above
+    decoder = Decoder(target.model, make_proposer("draft", target, cut), 4, eos_token_ids=target.eos_token_ids)
+    out = decoder.generate(prompts[0], CFG)
+    assert out.token_ids == plain[0] and out.stats["accepted_tokens"] > 8

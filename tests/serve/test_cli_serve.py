@@ -121,6 +121,8 @@ def test_sigterm_drains_running_requests_and_exits_0(tmp_path):
         (["serve", "--port", "99999"], "--port"),
         (["serve", "--method", "nope"], "--method"),
         (["serve", "--max-batch", "x"], "--max-batch"),
+        (["serve", "--method", "ngram", "--draft-vocab", "8"], "--draft-vocab needs --draft"),
+        (["serve", "--draft-vocab", "0"], "--draft-vocab"),
     ],
 )
 def test_bad_options_are_one_error_line(argv, needle):

@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="draft model for method 'draft'")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help="the --draft model's (default: --dtype)")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="the --draft model's logits over its N most common tokens only (a smaller head per draft step)",
+    )
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument(
         "--methods",
@@ -127,6 +133,7 @@ class Options:
     draft: str | None
     dtype: str
     draft_dtype: str  # --draft-dtype, else --dtype
+    draft_vocab: int | None  # --draft-vocab: the draft's head cut to its N most common tokens
     backend: str
     methods: list[str]
     ks: list[int | str]
@@ -157,6 +164,8 @@ def parse_options(argv: list[str]) -> Options:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if per_cat < 0:
         raise ConfigError(f"--prompts-per-category must be >= 0, got {per_cat}")
+    if args.draft_vocab is not None and (not args.draft or args.draft_vocab < 1):
+        raise ConfigError("--draft-vocab needs --draft and a count >= 1")
     return Options(
         workload=args.workload,
         out=Path(args.out),
@@ -165,6 +174,7 @@ def parse_options(argv: list[str]) -> Options:
         draft=args.draft,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype or args.dtype,
+        draft_vocab=args.draft_vocab,
         backend=args.backend,
         methods=methods,
         ks=_ks(args.k or preset["k"]),
@@ -388,6 +398,8 @@ def fingerprint(opts: Options, target_source: str, draft_source: str | None, hyb
     }
     if hybrid_drafter:
         spec["hybrid_drafter"] = hybrid_drafter
+    if opts.draft_vocab is not None:
+        spec["draft_vocab"] = opts.draft_vocab
     if any(m.endswith(CONF_SUFFIX) for m in opts.methods):
         spec["confidence"] = opts.confidence
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
@@ -458,6 +470,10 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
     target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
     needs_draft = any(method_spec(base_method(m)).uses_draft for m in opts.methods)
     draft = load_model(opts.draft, dtype=opts.draft_dtype) if needs_draft and opts.draft else None
+    if draft is not None and opts.draft_vocab is not None:
+        from specdecode.models.native import with_draft_vocab
+
+        draft = with_draft_vocab(draft, opts.draft_vocab)
     cells, skipped_cells, gens = [], [], {}
     for cell in plan_cells(opts):
         if cell.method == "hf":
@@ -556,6 +572,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "draft_name": opts.draft if draft else None,  # as given: a catalog name travels, a path does not
             "dtype": opts.dtype,
             "draft_dtype": opts.draft_dtype,
+            "draft_vocab": opts.draft_vocab,
             "backend": getattr(target.model, "backend", opts.backend),
             "methods": opts.methods,
             "k": opts.ks,

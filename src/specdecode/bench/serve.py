@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats",
         default="1",
         help="run every cell this many times, interleaved (the order rotates each time); each cell reports "
-        "its median-throughput run and the spread (default 1)",
+        "its median-throughput run (an odd count has a true median) and the spread (default 1)",
     )
     p.add_argument("--slo-ttft-ms", default="2000", help="goodput: a request meets the SLO within this TTFT")
     p.add_argument("--slo-tpot-ms", default="200", help="goodput: ... and this TPOT (default 200 ms)")

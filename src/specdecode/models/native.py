@@ -16,11 +16,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from specdecode.errors import ModelLoadError
+from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models import quant_store
 from specdecode.models.base import ModelCaps
 from specdecode.models.gguf_source import GGUFTensors
-from specdecode.models.loading import gguf_source
+from specdecode.models.loading import LoadedModel, gguf_source
 from specdecode.models.quant import ACT, QuantMatrix, plan_rows, quant_linear, quantize_matrix
 from specdecode.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig, cos_sin, inv_freq
 from specdecode.models.static_cache import StaticKVCache
@@ -731,3 +731,79 @@ class NativeCausalLM:
             return None
         rows = torch.arange(start, start + n)[:, None]
         return (torch.arange(start + n)[None, :] <= rows).view(1, 1, n, start + n)
+
+
+# -- a reduced output vocabulary ------------------------------------------------------------------
+
+
+class ReducedVocabLM(NativeCausalLM):
+    """A native model whose logits cover only ``vocab_ids``: column j scores token ``vocab_ids[j]``.
+
+    Inputs and ``vocab_size`` stay in the full vocabulary; a draft proposer maps drafts back and
+    reports q as zero outside ``vocab_ids`` (exactly the distribution it drew from).
+    """
+
+    def __init__(
+        self, config: NativeConfig, weights: Weights, vocab_ids: torch.Tensor, dtype: torch.dtype, **kw: Any
+    ) -> None:
+        super().__init__(config, weights, dtype, **kw)
+        self.vocab_ids = vocab_ids
+
+
+def frequent_ids(n: int, vocab_size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The ``n`` lowest token ids plus ``always`` (end-of-sequence ids), ascending.
+
+    A byte-level BPE vocabulary (GPT-2, Llama 3, Qwen2) numbers tokens in merge order, and a
+    merge was learnt because its pair was frequent, so low ids are the common tokens: a draft
+    vocabulary without a corpus to count on.
+    """
+    if not isinstance(n, int) or not 1 <= n <= vocab_size:
+        raise ValueError(f"a reduced vocabulary needs 1 <= n <= {vocab_size} tokens, got {n!r}")
+    ids = set(range(n)) | {int(t) for t in always if 0 <= int(t) < vocab_size}
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def restrict_output(model: NativeCausalLM, vocab_ids: torch.Tensor) -> ReducedVocabLM:
+    """``model`` with its output head cut to the rows ``vocab_ids`` [n]; every other weight is
+    shared, not copied. For a draft model whose head is a large share of its weights (the Qwen2.5
+    0.5B's 151,936 rows are over a quarter), each draft step then reads and multiplies n rows.
+
+    Logit column j equals the full model's column ``vocab_ids[j]``: bitwise for float and int8
+    heads; an int4 head's rows are read back and kept in int8 (within ~1%).
+    """
+    ids = torch.as_tensor(vocab_ids, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= model.vocab_size:
+        raise ValueError(f"vocab_ids must be non-empty ids below {model.vocab_size}")
+    w = model.weights
+    head = dataclasses.replace(w, lm_head=_head_rows(w, ids, model.dtype))
+    return ReducedVocabLM(model.config, head, ids, model.dtype, row_exact=model._dims.row_exact, quant=model.quant)
+
+
+def with_draft_vocab(draft: LoadedModel, n: int) -> LoadedModel:
+    """A loaded draft model whose logits cover its ``n`` most common tokens (:func:`frequent_ids`,
+    plus its end-of-sequence ids); ConfigError for a model off the native path or a bad ``n``."""
+    model = draft.model
+    if not isinstance(model, NativeCausalLM):
+        raise ConfigError("--draft-vocab needs a draft model on the native backend")
+    if not isinstance(n, int) or not 1 <= n <= model.vocab_size:
+        raise ConfigError(f"--draft-vocab must be 1..{model.vocab_size} (the draft's vocabulary), got {n!r}")
+    ids = frequent_ids(n, model.vocab_size, draft.eos_token_ids)
+    return dataclasses.replace(draft, model=restrict_output(model, ids))
+
+
+def _head_rows(w: Weights, ids: torch.Tensor, dtype: torch.dtype) -> QuantMatrix | torch.Tensor:
+    head = w.lm_head
+    if isinstance(head, QuantMatrix):
+        if head.kind in ("int8", "w8a8"):
+            q, scales = head.tensors
+            rows = (q[ids].contiguous(), scales[ids].contiguous())
+            return QuantMatrix(head.kind, (int(ids.numel()), head.shape[1]), rows)
+        # int4's packing is opaque: multiply the identity through it (bf16 values, [vocab, in]) and
+        # keep the rows in int8, which holds those values to ~0.5%; int4 again would lose ~2%.
+        dense = head(torch.eye(head.shape[1], dtype=ACT)).t()
+        return quantize_matrix(dense[ids].float(), "int8")
+    if w.linear is _mkldnn_linear:  # packed: opaque, so multiply the identity through it
+        n_in = w.embed.shape[1]
+        dense = _mkldnn_linear(torch.eye(n_in, dtype=dtype), head, None).t()[ids].contiguous()
+        return torch.ops.mkldnn._reorder_linear_weight(dense)
+    return head[ids].contiguous()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import ConfigError
-from specdecode.models.native import LayerWeights, NativeCausalLM, Weights, pack_weights
+from specdecode.models.native import LayerWeights, ReducedVocabLM, Weights, pack_weights
 from specdecode.models.rope import cos_sin, inv_freq
 from specdecode.networks.layers import LayerParams, LayerShape, decoder_layer, output_rows, target_matrix
 from specdecode.networks.storage import CARD_FILE, WEIGHTS_FILE, load_head, shipped_head_dir
@@ -212,17 +212,6 @@ class DistilledDraft(nn.Module):
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
-
-
-class ReducedVocabLM(NativeCausalLM):
-    """A native model whose logits cover only ``vocab_ids``: column j scores token ``vocab_ids[j]``.
-
-    Inputs and ``vocab_size`` stay in the full vocabulary; the proposer maps drafts back.
-    """
-
-    def __init__(self, config, weights: Weights, vocab_ids: torch.Tensor, dtype: torch.dtype) -> None:
-        super().__init__(config, weights, dtype)
-        self.vocab_ids = vocab_ids
 
 
 # -- storage ------------------------------------------------------------------------------------

@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specdecode serve", description="An OpenAI-compatible server on the batched speculative engine.")
     p.add_argument("--target", default=None, help="transformers folder or .gguf (default: embedded SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft model (method draft) or trained head folder")
+    p.add_argument(
+        "--draft-vocab",
+        type=_positive(int),
+        default=None,
+        help="the draft model's logits over its N most common tokens only",
+    )
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", type=_positive(int), default=None, help="torch CPU threads (default: free cores)")
@@ -127,8 +133,10 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.log_level != "error":  # say when the model is ready and under which id, whatever uvicorn logs
         logging.getLogger("specdecode.serve").setLevel(logging.INFO)
+    if args.draft_vocab is not None and (args.method == "xtok" or (args.draft is None and args.method != "auto")):
+        raise ConfigError("--draft-vocab needs --draft (methods draft, hybrid) or method auto measured with a draft")
     config = server_config(args)
-    source = ModelSource(args.target, args.draft, args.method, args.dtype, args.backend)
+    source = ModelSource(args.target, args.draft, args.method, args.dtype, args.backend, args.draft_vocab)
     if args.ray:
         from specdecode.serve.ray_app import RayScaling, import_ray, run_on_ray
 

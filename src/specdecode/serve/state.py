@@ -72,16 +72,26 @@ class ModelSource:
     method: str = "auto"
     dtype: str = "float32"
     backend: str = "auto"
+    draft_vocab: int | None = None  # the draft model's head cut to its N most common tokens
 
     def __call__(self) -> tuple[LoadedModel, Any]:
         from specdecode.models.loading import load_model
+        from specdecode.models.native import with_draft_vocab
 
+        if self.draft_vocab is not None and self.method == "xtok":
+            raise ConfigError("--draft-vocab is for a draft sharing the target's tokenizer, not method xtok")
         target = load_model(self.target, dtype=self.dtype, backend=self.backend)
         draft: Any = self.draft
         if self.draft is not None and self.method in ("draft", "xtok"):
             draft = load_model(self.draft, dtype=self.dtype)
         elif self.draft is None and self.method == "auto" and (measured := measured_draft(target)):
             draft = load_model(measured[0], dtype=measured[1])  # once, shared by every request
+        if self.draft_vocab is not None:
+            if isinstance(draft, str):  # hybrid's second source, loaded here to be cut once
+                draft = load_model(draft, dtype=self.dtype)
+            if not isinstance(draft, LoadedModel):
+                raise ConfigError("--draft-vocab needs a draft model (--draft, or method auto measured with one)")
+            draft = with_draft_vocab(draft, self.draft_vocab)
         return target, draft
 
 
