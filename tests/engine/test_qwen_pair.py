@@ -81,7 +81,10 @@ def test_draft_method_is_token_identical_to_plain(pair, prompts, plain, k):
         out = decoder.generate(ids, CFG)
         assert out.token_ids == want
         accepted += out.stats["accepted_tokens"]
-    assert accepted > len(prompts) * 4  # a same-family draft agrees often on this pair
+    # A same-family draft agrees often on this pair. Under auto the engine drafts only where its
+    # measured costs say it pays (on a 2-core CPU a 0.5B draft step costs most of a 1.5B step),
+    # so it must have speculated, not how much.
+    assert accepted > (len(prompts) * 4 if k == 4 else 0)
 
 
 def test_method_auto_uses_the_measured_choice_and_is_exact(pair, prompts, plain):
