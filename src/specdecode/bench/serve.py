@@ -140,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--repeats",
         default="1",
-        help="run every cell this many times, interleaved (the order rotates each time); each cell reports "
-        "its median-throughput run (an odd count has a true median) and the spread (default 1)",
+        help="run every cell this many times, interleaved (the order rotates each time): throughput pooled "
+        "over the runs, latencies from the median run, the spread kept (default 1)",
     )
     p.add_argument("--slo-ttft-ms", default="2000", help="goodput: a request meets the SLO within this TTFT")
     p.add_argument("--slo-tpot-ms", default="200", help="goodput: ... and this TPOT (default 200 ms)")
@@ -201,7 +201,7 @@ class Options:
     url: str | None = None
     api_key: str | None = None
     slo_ms: tuple[float, float] = (2000.0, 200.0)  # (TTFT, TPOT) a request must meet to count as goodput
-    repeats: int = 1  # runs of every cell, interleaved; the median-throughput run is reported
+    repeats: int = 1  # runs of every cell, interleaved; throughput pooled, latencies of the median run
 
     def requests_for(self, point: LoadPoint) -> int:
         if self.requests is not None:

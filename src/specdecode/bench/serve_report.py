@@ -111,9 +111,14 @@ def cell_metrics(
 
 
 def merge_repeats(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One cell per key (arm, load, temperature), in first-run order: of a key's repeated runs, the
-    one with the median output tok/s (the lower middle of an even count), so every figure shown
-    comes from one real run; ``repeats`` keeps each run's throughput and TPOT p50 for the spread."""
+    """One cell per key (arm, load, temperature), in first-run order.
+
+    Throughput (requests/s, goodput, output tok/s) is pooled over a key's repeated runs: all
+    their requests over all their time, the estimate the ratios and targets should use. The
+    latencies and engine figures are the median-throughput run's (the lower middle of an even
+    count), so each of those comes from one real run. ``repeats`` keeps every run's throughput
+    and TPOT p50 for the spread.
+    """
     by_key: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         by_key.setdefault(run["key"], []).append(run)
@@ -126,6 +131,13 @@ def merge_repeats(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "output_tok_s": [c["output_tok_s"] for c in group],
             "tpot_p50_ms": [c["tpot_ms"]["p50"] for c in group],
         }
+        if len(group) > 1:
+            time_s = sum(c["duration_s"] for c in group)
+            cell["output_tok_s"] = _div(sum(c["new_tokens"] for c in group), time_s)
+            cell["req_per_s"] = _div(sum(c["completed"] for c in group), time_s)
+            goodput = [c.get("goodput_req_s") for c in group]
+            if None not in goodput:
+                cell["goodput_req_s"] = _div(sum(g * c["duration_s"] for g, c in zip(goodput, group)), time_s)
         cells.append(cell)
     return cells
 
