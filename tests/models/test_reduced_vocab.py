@@ -4,6 +4,8 @@ speculating over the reduced vocabulary leaves greedy output token-identical."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from specdecode.engine import Decoder, Engine, EngineConfig, GenerationConfig, S
 from specdecode.errors import ConfigError
 from specdecode.models.loading import LoadedModel
 from specdecode.models.native import NativeCausalLM, frequent_ids, restrict_output, with_draft_vocab
-from specdecode.models.quant import QuantMatrix, quantize_matrix
+from specdecode.models.quant import QuantMatrix, quant_linear, quantize_matrix
 from specdecode.proposers import DraftModelProposer
 
 IDS = torch.tensor([0, 1, 2, 5, 17, 40, 95])
@@ -51,8 +53,9 @@ def test_an_int4_head_is_read_back_into_int8_rows():
     head = quantize_matrix(_grid_matrix(64, 32), "int4")
     assert isinstance(head, QuantMatrix) and head.kind == "int4"
     ids = torch.arange(0, 64, 4)  # 16 rows: int4 packs in sixteens
-    w = Weights(embed=torch.zeros(64, 32), layers=[], norm=torch.ones(32), lm_head=head)
-    cut = _head_rows(w, ids, torch.bfloat16)
+    w = Weights(embed=torch.zeros(64, 32), layers=[], norm=torch.ones(32), lm_head=head, linear=quant_linear)
+    model = SimpleNamespace(weights=w, dtype=torch.bfloat16, config=SimpleNamespace(tie_word_embeddings=False))
+    cut = _head_rows(model, ids)
     assert isinstance(cut, QuantMatrix) and cut.kind == "int8" and cut.shape == (16, 32)
     x = torch.randn(3, 32).to(torch.bfloat16)
     want, got = head(x)[:, ids].float(), cut(x).float()

@@ -774,8 +774,7 @@ def restrict_output(model: NativeCausalLM, vocab_ids: torch.Tensor) -> ReducedVo
     ids = torch.as_tensor(vocab_ids, dtype=torch.long).reshape(-1)
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= model.vocab_size:
         raise ValueError(f"vocab_ids must be non-empty ids below {model.vocab_size}")
-    w = model.weights
-    head = dataclasses.replace(w, lm_head=_head_rows(w, ids, model.dtype))
+    head = dataclasses.replace(model.weights, lm_head=_head_rows(model, ids))
     return ReducedVocabLM(model.config, head, ids, model.dtype, row_exact=model._dims.row_exact, quant=model.quant)
 
 
@@ -791,19 +790,34 @@ def with_draft_vocab(draft: LoadedModel, n: int) -> LoadedModel:
     return dataclasses.replace(draft, model=restrict_output(model, ids))
 
 
-def _head_rows(w: Weights, ids: torch.Tensor, dtype: torch.dtype) -> QuantMatrix | torch.Tensor:
-    head = w.lm_head
-    if isinstance(head, QuantMatrix):
-        if head.kind in ("int8", "w8a8"):
-            q, scales = head.tensors
-            rows = (q[ids].contiguous(), scales[ids].contiguous())
-            return QuantMatrix(head.kind, (int(ids.numel()), head.shape[1]), rows)
-        # int4's packing is opaque: multiply the identity through it (bf16 values, [vocab, in]) and
-        # keep the rows in int8, which holds those values to ~0.5%; int4 again would lose ~2%.
-        dense = head(torch.eye(head.shape[1], dtype=ACT)).t()
-        return quantize_matrix(dense[ids].float(), "int8")
-    if w.linear is _mkldnn_linear:  # packed: opaque, so multiply the identity through it
-        n_in = w.embed.shape[1]
-        dense = _mkldnn_linear(torch.eye(n_in, dtype=dtype), head, None).t()[ids].contiguous()
-        return torch.ops.mkldnn._reorder_linear_weight(dense)
-    return head[ids].contiguous()
+def target_matrix(model: NativeCausalLM, matrix: Any, n_in: int) -> torch.Tensor:
+    """One of ``model``'s matrices as plain float32 [out, in], also when prepacked for oneDNN or
+    quantized: those are opaque, so multiplying the identity [n_in, n_in] through them reads them back."""
+    w = model.weights
+    if w.linear is F.linear:
+        return matrix.float()
+    return w.linear(torch.eye(n_in, dtype=model.dtype), matrix, None).float().t().contiguous()
+
+
+def output_rows(model: NativeCausalLM, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """``model``'s LM-head rows for ``vocab_ids`` (float32 [n, hidden]), tied or not, packed or not."""
+    w = model.weights
+    if model.config.tie_word_embeddings:
+        return w.embed[vocab_ids].float().contiguous()
+    return target_matrix(model, w.lm_head, w.embed.shape[1])[vocab_ids].contiguous()
+
+
+def _head_rows(model: NativeCausalLM, ids: torch.Tensor) -> QuantMatrix | torch.Tensor:
+    """The head cut to rows ``ids``, in the head's own form (int4's rows kept in int8)."""
+    head = model.weights.lm_head
+    if isinstance(head, QuantMatrix) and head.kind in ("int8", "w8a8"):  # rows slice exactly
+        q, scales = head.tensors
+        return QuantMatrix(
+            head.kind, (int(ids.numel()), head.shape[1]), (q[ids].contiguous(), scales[ids].contiguous())
+        )
+    rows = output_rows(model, ids)
+    if isinstance(head, QuantMatrix):  # int4 again would lose ~2% of the bf16 values read back
+        return quantize_matrix(rows, "int8")
+    if model.weights.linear is _mkldnn_linear:
+        return torch.ops.mkldnn._reorder_linear_weight(rows.to(model.dtype))
+    return rows.to(model.dtype)

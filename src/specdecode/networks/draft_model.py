@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import ConfigError
-from specdecode.models.native import LayerWeights, ReducedVocabLM, Weights, pack_weights
+from specdecode.models.native import LayerWeights, ReducedVocabLM, Weights, output_rows, pack_weights, target_matrix
 from specdecode.models.rope import cos_sin, inv_freq
-from specdecode.networks.layers import LayerParams, LayerShape, decoder_layer, output_rows, target_matrix
+from specdecode.networks.layers import LayerParams, LayerShape, decoder_layer
 from specdecode.networks.storage import CARD_FILE, WEIGHTS_FILE, load_head, shipped_head_dir
 
 KIND = "draft"  # folder of the shipped draft: drafters/<target>/draft/

@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import ConfigError
+from specdecode.models.native import output_rows
 from specdecode.models.rope import cos_sin, inv_freq
 from specdecode.networks.layers import (
     DraftingSnapshot,
     LayerParams,
     LayerShape,
     decoder_layer,
-    output_rows,
     pack_matrix,
     packed,
     rows_linear,

@@ -136,25 +136,3 @@ class DraftingSnapshot:
 def pack_matrix(m: torch.Tensor) -> torch.Tensor:
     """A float32 [out, in] matrix reordered for the native oneDNN linear."""
     return torch.ops.mkldnn._reorder_linear_weight(m.detach().float().contiguous())
-
-
-# -- frozen tensors read from a native target -----------------------------------------------------
-
-
-def target_matrix(target, matrix: torch.Tensor, n_in: int) -> torch.Tensor:
-    """A target matrix as plain float32 [out, in], also when prepacked for oneDNN.
-
-    Packed matrices are opaque; multiplying the identity [n_in, n_in] through them reads them back.
-    """
-    w = target.weights
-    if w.linear is F.linear:
-        return matrix.float()
-    return w.linear(torch.eye(n_in, dtype=target.dtype), matrix, None).float().t().contiguous()
-
-
-def output_rows(target, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """The target's LM-head rows for ``vocab_ids`` (float32 [n, hidden]), tied or not, packed or not."""
-    w = target.weights
-    if target.config.tie_word_embeddings:
-        return w.embed[vocab_ids].float().contiguous()
-    return target_matrix(target, w.lm_head, w.embed.shape[1])[vocab_ids].contiguous()

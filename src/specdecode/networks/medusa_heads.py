@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import ConfigError
-from specdecode.networks.layers import DraftingSnapshot, output_rows, pack_matrix, rows_linear
+from specdecode.models.native import output_rows
+from specdecode.networks.layers import DraftingSnapshot, pack_matrix, rows_linear
 
 
 @dataclass(frozen=True)
