@@ -128,12 +128,12 @@ def plan(
     those rows cost the whole run time.
     """
     ks = [0] * len(candidates)
-    rows = other_rows + len(candidates)
-    level, slope = costs.line(rows)
+    start = rows = other_rows + len(candidates)  # rows before any draft
+    level, slope = costs.line(start)
     base = max(level - slope * prefill_rows, 0.05 * level)  # the decoding share of the step
 
     def forward(n: float) -> float:  # decoding's share of a forward over n rows
-        return base + slope * (n - other_rows - len(candidates))
+        return base + slope * (n - start)
 
     tokens = other_tokens + len(candidates)
     draft = 0.0

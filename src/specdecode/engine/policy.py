@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -191,20 +193,12 @@ class AutoK:
         return list(self.reach)
 
     def accept_by_position(self) -> list[float]:
-        cum, run = [], 1.0
-        for a in self.cond:
-            run *= a
-            cum.append(run)
-        return cum
+        return _cumulative(self.cond)
 
     def optimistic_accept_by_position(self) -> list[float]:
         """:meth:`accept_by_position` with every position's conditional acceptance at least the
         prior: what a request is worth when its low estimates are old (the batch planner's probe)."""
-        cum, run = [], 1.0
-        for a in self.cond:
-            run *= max(a, self.prior)
-            cum.append(run)
-        return cum
+        return _cumulative([max(a, self.prior) for a in self.cond])
 
     def rate(self, k: int) -> float:
         return predict_tokens_per_s(k, self.accept_by_position(), self.costs.draft_s_per_token(), self.costs.verify_s)
@@ -249,6 +243,11 @@ def make_policy(name: str, k_max: int) -> KPolicy:
     if name == "auto":
         return AutoK(k_max)
     raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+def _cumulative(cond: Sequence[float]) -> list[float]:
+    """P(positions 1..i all accepted) from each position's acceptance given all before it."""
+    return list(itertools.accumulate(cond, operator.mul))
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:
