@@ -133,8 +133,6 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.log_level != "error":  # say when the model is ready and under which id, whatever uvicorn logs
         logging.getLogger("specdecode.serve").setLevel(logging.INFO)
-    if args.draft_vocab is not None and (args.method == "xtok" or (args.draft is None and args.method != "auto")):
-        raise ConfigError("--draft-vocab needs --draft (methods draft, hybrid) or method auto measured with a draft")
     config = server_config(args)
     source = ModelSource(args.target, args.draft, args.method, args.dtype, args.backend, args.draft_vocab)
     if args.ray:

@@ -74,12 +74,16 @@ class ModelSource:
     backend: str = "auto"
     draft_vocab: int | None = None  # the draft model's head cut to its N most common tokens
 
+    def __post_init__(self) -> None:
+        if self.draft_vocab is not None and (self.method == "xtok" or (self.draft is None and self.method != "auto")):
+            raise ConfigError(
+                "--draft-vocab needs --draft (methods draft, hybrid) or method auto measured with a draft"
+            )
+
     def __call__(self) -> tuple[LoadedModel, Any]:
         from specdecode.models.loading import load_model
         from specdecode.models.native import with_draft_vocab
 
-        if self.draft_vocab is not None and self.method == "xtok":
-            raise ConfigError("--draft-vocab is for a draft sharing the target's tokenizer, not method xtok")
         target = load_model(self.target, dtype=self.dtype, backend=self.backend)
         draft: Any = self.draft
         if self.draft is not None and self.method in ("draft", "xtok"):
