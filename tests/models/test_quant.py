@@ -1,12 +1,13 @@
-"""Quantized int8/int4/w8a8 matrices: each kernel against a plain dequantize-then-matmul reference,
-row invariance (any split of the rows gives bitwise the same result), fallbacks, and models."""
+"""Quantized int8/int4/w8a8/w4a8 matrices: each kernel against a plain dequantize-then-matmul
+reference, row invariance (any split of the rows gives bitwise the same result), fallbacks, and
+models. The int8dot kernels themselves (packing, rounding) are tested in test_int8dot.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdecode.models import quant
+from specdecode.models import int8dot, quant
 from specdecode.models.kernels import RowPlan
 from specdecode.models.native import NativeCausalLM
 from specdecode.models.quant import QuantMatrix, quant_linear, quantize_matrix
@@ -14,6 +15,8 @@ from specdecode.models.quant import QuantMatrix, quant_linear, quantize_matrix
 # Stated tolerance: the kernel's result against bf16 rows times the dequantized matrix in float32,
 # relative (Frobenius) error. bf16 outputs alone account for ~4e-3.
 KERNEL_RTOL = 1e-2
+needs_int8dot = pytest.mark.skipif(not int8dot.available(), reason=f"int8dot: {int8dot.unavailable_reason()}")
+KINDS = ["int8", "int4", "w8a8", pytest.param("w4a8", marks=needs_int8dot)]
 
 
 def _grid_matrix(out: int, inp: int, levels: int = 16, seed: int = 0) -> torch.Tensor:
@@ -26,6 +29,12 @@ def _grid_matrix(out: int, inp: int, levels: int = 16, seed: int = 0) -> torch.T
 
 
 def _reference(m: QuantMatrix, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if m.kind in quant.DOT_KINDS:  # rows rounded to int8 per group of 32, then a float matmul
+        xq, dx = int8dot.reference_activations(x)
+        xr = (xq.float().reshape(x.shape[0], -1, 32) * dx[..., None]).reshape(x.shape)
+        deq = quant.dequantize_int8(*quant.quantize_int8(w)) if m.kind == "w8a8g" else None
+        deq = deq if deq is not None else quant.dequantize_int4(*quant.quantize_int4(w))
+        return xr.double() @ deq.double().t()
     if m.kind == "w8a8":  # each row quantized by its own absmax, then a float matmul
         xf = x.to(quant.ACT).float()
         s = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12)
@@ -42,7 +51,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
+# int8dot's own stated tolerance: its result against the same rounded activations times the
+# dequantized matrix in float64 (only fp32 summation order differs), relative (Frobenius) error.
+DOT_RTOL = 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", [(16, 32), (48, 64), (192, 576), (160, 96), (1024, 256)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 17])
 def test_kernel_matches_dequantized_reference(kind, shape, rows):
@@ -51,20 +65,37 @@ def test_kernel_matches_dequantized_reference(kind, shape, rows):
     assert isinstance(m, QuantMatrix) and m.kind == kind and m.shape == shape
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
     y = m(x)
-    assert y.shape == (rows, shape[0]) and y.dtype == quant.ACT
-    assert _rel(y, _reference(m, w, x)) < KERNEL_RTOL
+    assert y.shape == (rows, shape[0]) and y.dtype == quant.act_dtype(kind)
+    assert _rel(y, _reference(m, w, x)) < (DOT_RTOL if kind in quant.DOT_KINDS else KERNEL_RTOL)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
+@needs_int8dot
+@pytest.mark.parametrize("shape", [(16, 32), (40, 64), (1000, 96), (8, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 19])
+def test_w4a8_keeps_8_bit_sources_and_pads_odd_shapes(shape, rows):
+    """Off a 4-bit grid w4a8 keeps int8 weights (w8a8g); outputs that are not whole 16-column
+    tiles are padded inside and cut off again."""
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0]))
+    m = quantize_matrix(w, "w4a8")
+    assert m.kind == "w8a8g" and m.shape == shape
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+    assert m(x).shape == (rows, shape[0])
+    assert _rel(m(x), _reference(m, w, x)) < DOT_RTOL
+    grid = quantize_matrix(_grid_matrix(*shape), "w4a8")
+    assert grid.kind == "w4a8" and _rel(grid(x), _reference(grid, _grid_matrix(*shape), x)) < DOT_RTOL
+
+
+@pytest.mark.parametrize("kind", KINDS + [pytest.param("w8a8g", marks=needs_int8dot)])
 def test_rows_do_not_depend_on_their_call(kind):
     """A row alone, inside any chunking, and inside one call: bitwise the same (1-token decode
     equals a k-token verify)."""
     w = _grid_matrix(256, 128)
     m = quantize_matrix(w, kind)
+    act = quant.act_dtype(kind)
     x = torch.randn(11, 128, generator=torch.Generator().manual_seed(3))
-    whole = m._mm(x.to(quant.ACT))
+    whole = m._mm(x.to(act))
     for r in range(11):
-        assert torch.equal(m._mm(x[r : r + 1].to(quant.ACT))[0], whole[r])
+        assert torch.equal(m._mm(x[r : r + 1].to(act))[0], whole[r])
     for costs in (((1, 1.0), (4, 1.2)), ((1, 1.0), (2, 1.1), (3, 1.3), (8, 4.0))):
         m.plan = RowPlan(costs)
         assert sum(m.plan.split(11)) == 11 and len(m.plan.split(11)) > 1
@@ -95,6 +126,29 @@ def test_w8a8_falls_back_to_int8_weight_only_without_its_kernel(monkeypatch):
     assert quantize_matrix(_grid_matrix(32, 64), "w8a8").kind == "int8"
 
 
+def test_w4a8_falls_back_to_torch_kernels_without_int8dot(monkeypatch):
+    """Where the CPU lacks VNNI or the extension did not build, w4a8 runs as int4 (and its
+    8-bit matrices as int8) instead of failing the load; in not whole groups goes the same way."""
+    monkeypatch.setattr(quant, "kernel_available", lambda kind: kind not in quant.DOT_KINDS)
+    assert quantize_matrix(_grid_matrix(32, 64), "w4a8").kind == "int4"
+    assert quantize_matrix(torch.randn(32, 64), "w4a8").kind == "int8"
+    assert quantize_matrix(torch.randn(32, 64), "w8a8g").kind == "int8"
+    monkeypatch.undo()
+    assert quantize_matrix(torch.randn(16, 40), "w4a8").kind == "int8"
+
+
+def test_int8dot_says_why_it_is_unavailable(monkeypatch):
+    monkeypatch.setattr(int8dot, "cpu_info", lambda: ("a CPU", "sse2 avx2"))
+    int8dot._build.cache_clear()
+    try:
+        assert not int8dot.available()
+        assert "avx512_vnni" in int8dot.unavailable_reason()
+        with pytest.raises(RuntimeError, match="unavailable: the CPU lacks"):
+            int8dot.u4_mm(torch.ones(1, 32), torch.zeros(320, dtype=torch.uint8), (16, 32))
+    finally:
+        int8dot._build.cache_clear()
+
+
 def test_kernel_probe_answers_for_unknown_kinds():
     assert quant.kernel_available("int8") in (True, False)
     assert quant.kernel_available("int3") is False
@@ -111,24 +165,24 @@ def tiny(tmp_path):
     return folder
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_quantized_model_tracks_float_logits(tiny, kind):
     fp32 = NativeCausalLM.from_pretrained(tiny)
-    q = NativeCausalLM.from_pretrained(tiny, dtype=torch.bfloat16, quant=kind)
+    q = NativeCausalLM.from_pretrained(tiny, dtype=quant.act_dtype(kind), quant=kind)
     assert q.quant == kind and q.kernels()
     ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
     ref = fp32.forward(ids, fp32.new_cache(12))
     got = q.forward(ids, q.new_cache(12))
     # Random tiny weights are not on a 4-bit grid: int4 falls back to int8 there (see above);
-    # w8a8 also rounds every activation row to int8.
-    assert _rel(got, ref) < (0.1 if kind == "w8a8" else 0.05)
+    # w8a8 also rounds every activation row to int8, w4a8 every group of 32 activations.
+    assert _rel(got, ref) < (0.1 if kind in ("w8a8", "w4a8") else 0.05)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_quantized_rows_of_different_lengths_match_forwards_alone(tiny, kind):
     from test_native import ragged_rows
 
-    native = NativeCausalLM.from_pretrained(tiny, dtype=torch.bfloat16, quant=kind)
+    native = NativeCausalLM.from_pretrained(tiny, dtype=quant.act_dtype(kind), quant=kind)
     _, news, caches, alone = ragged_rows(native)
     for got, want in zip(native.forward_rows(news, caches), alone):
         assert torch.equal(got, want)
@@ -137,8 +191,10 @@ def test_quantized_rows_of_different_lengths_match_forwards_alone(tiny, kind):
 def test_quantized_dtype_needs_bf16_activations(tiny):
     from specdecode.errors import ModelLoadError
 
-    with pytest.raises(ModelLoadError, match="int4 matrices take"):
+    with pytest.raises(ModelLoadError, match="int4 matrices take torch.bfloat16 activations"):
         NativeCausalLM.from_pretrained(tiny, dtype=torch.float32, quant="int4")
+    with pytest.raises(ModelLoadError, match="w4a8 matrices take torch.float32 activations"):
+        NativeCausalLM.from_pretrained(tiny, dtype=torch.bfloat16, quant="w4a8")
 
 
 def test_load_model_refuses_quantized_transformers_backend(tiny):
@@ -155,7 +211,7 @@ def test_load_model_refuses_quantized_transformers_backend(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_real_model_quantized_speculation_equals_plain_alone_and_in_a_batch(kind):
     from real_model import PROMPTS, chat_ids, default_target
     from specdecode.api import make_proposer
@@ -183,7 +239,7 @@ def test_real_model_quantized_speculation_equals_plain_alone_and_in_a_batch(kind
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_real_model_quantized_logits_close_to_float(kind):
     """Stated tolerance, against the float32 model of the same file, on the last prompt position:
     relative logit error under 8% on every prompt and the same top token on at least 9 of 11.

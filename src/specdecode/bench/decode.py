@@ -25,13 +25,14 @@ import torch
 
 from specdecode.core.dtypes import QUANT_DTYPES
 from specdecode.metrics import peak_rss_mb
+from specdecode.models.quant import act_dtype
 
 Runner = Callable[[list[int], int], list[int]]  # (prompt ids, new tokens) -> generated ids
 K_VALUES = (1, 2, 4, 8, 16, 32)
 CURVE_CONTEXT = 200  # cached tokens under the forward-cost curve
 BATCH_SIZES = (4, 16)  # sequences per forward for the batched-throughput rows
 NATIVE_DTYPES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None)} | {
-    q: (torch.bfloat16, q) for q in QUANT_DTYPES
+    q: (act_dtype(q), q) for q in QUANT_DTYPES
 }
 
 

@@ -23,6 +23,7 @@ import torch
 
 CHUNKS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # call sizes measured
 REPEATS = 3
+PLAN_FORMAT = "cold"  # in the cache file's name: plans measured before caches were evicted are re-made
 
 
 @dataclass(frozen=True)
@@ -87,13 +88,21 @@ def machine_key() -> str:
 def _cache_file() -> Path:
     from specdecode.models.loading import cache_root
 
-    return cache_root() / "kernels" / f"{machine_key()}.json"
+    return cache_root() / "kernels" / f"{machine_key()}-{PLAN_FORMAT}.json"
+
+
+EVICT_BYTES = 64 << 20  # more than any x86 L3 we run on: weights come from memory, as in a real step
 
 
 def _time_call(fn: Callable[[], object]) -> float:
+    """Best of ``REPEATS`` calls, each after the caches were overwritten: a model's matrices do not
+    stay cached between two uses, so a warm-cache timing would price a second pass over the same
+    weights as nearly free and split rows into calls that each stream the matrix again."""
+    evict = torch.empty(EVICT_BYTES // 4)
     fn()  # warm: first calls allocate
     best = float("inf")
     for _ in range(REPEATS):
+        evict.fill_(1.0)
         t = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t)

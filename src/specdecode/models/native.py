@@ -21,7 +21,7 @@ from specdecode.models import quant_store
 from specdecode.models.base import ModelCaps
 from specdecode.models.gguf_source import GGUFTensors
 from specdecode.models.loading import LoadedModel, gguf_source
-from specdecode.models.quant import ACT, QuantMatrix, plan_rows, quant_linear, quantize_matrix
+from specdecode.models.quant import ACT, QuantMatrix, act_dtype, plan_rows, quant_linear, quantize_matrix, select_rows
 from specdecode.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig, cos_sin, inv_freq
 from specdecode.models.static_cache import StaticKVCache
 
@@ -190,7 +190,7 @@ def _tensor_source(model_dir: Path, config: NativeConfig) -> GGUFTensors | dict[
 def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quant: str | None = None) -> Weights:
     """Read, fuse and cast the checkpoint's tensors; ModelLoadError naming any missing tensor.
 
-    ``quant`` ("int8", "int4" or "w8a8") quantizes every matrix, layer by layer as it is read
+    ``quant`` ("int8", "int4", "w8a8" or "w4a8") quantizes every matrix, layer by layer as it is read
     (the embedding stays bf16 for lookups), and stores the result once beside a GGUF's config
     (:mod:`quant_store`); ``dtype`` is then the activations' dtype.
     """
@@ -262,13 +262,16 @@ def _layer_sources(p: str) -> dict[str, list[str]]:
     }
 
 
+_EIGHT_BIT = {"int4": "int8", "w4a8": "w8a8g"}  # where a 4-bit kind keeps 5- to 8-bit sources
+
+
 def _kind(raw: Any, quant: str | None, names: list[str]) -> str | None:
-    """int4 only where every source tensor is 4-bit in the GGUF (a 5- to 8-bit one goes to int8
-    without the int4 attempt, which costs seconds a matrix); unknown sources try int4."""
-    if quant != "int4" or not isinstance(raw, GGUFTensors):
+    """A 4-bit kind only where every source tensor is 4-bit in the GGUF (a 5- to 8-bit one goes
+    to 8 bits without the 4-bit attempt, which costs seconds a matrix); unknown sources try 4 bits."""
+    if quant not in _EIGHT_BIT or not isinstance(raw, GGUFTensors):
         return quant
     bits = [b for b in map(raw.low_bit, names) if b is not None]
-    return "int4" if bits and all(bits) else "int8"
+    return quant if bits and all(bits) else _EIGHT_BIT[quant]
 
 
 def _quantize_layer(w: LayerWeights, kinds: dict[str, str]) -> LayerWeights:
@@ -536,7 +539,7 @@ class NativeCausalLM:
         self.config = config
         self.weights = weights
         self.dtype = dtype
-        self.quant = quant  # "int8" / "int4" / "w8a8" when the matrices are quantized (dtype: their activations)
+        self.quant = quant  # "int8" / "int4" / "w8a8" / "w4a8" when quantized (dtype: their activations)
         self.vocab_size = int(weights.embed.shape[0])
         self.max_length = config.max_length
         self._dims = _Dims(
@@ -547,7 +550,7 @@ class NativeCausalLM:
             config.intermediate_size,
             config.rms_norm_eps,
             dtype,
-            dtype == torch.bfloat16 if row_exact is None else row_exact,
+            (dtype == torch.bfloat16 or quant is not None) if row_exact is None else row_exact,
         )
         self._inv_freq = inv_freq(config.rope, config.head_dim)
         self._decoder: Callable[..., torch.Tensor] = _decoder
@@ -566,7 +569,8 @@ class NativeCausalLM:
         ``pack`` prepacks matrices for oneDNN when this torch build allows (see :func:`pack_weights`);
         ``compile`` uses ``torch.compile`` on plain matrices instead (slower on the 2-core dev box,
         see BENCHMARKS.md) and falls back to eager if compilation fails. ``quant`` ("int8" or
-        "int4", "w8a8") runs quantized matrices (``dtype`` must then be bfloat16), each
+        "int4", "w8a8", "w4a8") runs quantized matrices (``dtype`` must then be their activations'
+        dtype, :func:`~specdecode.models.quant.act_dtype`: bfloat16, float32 for w4a8), each
         splitting its rows as measured fastest on this machine (:mod:`specdecode.models.kernels`).
         """
         model_dir = Path(model_dir)
@@ -575,8 +579,8 @@ class NativeCausalLM:
         if reason is not None:
             raise ModelLoadError(f"the native backend cannot run {model_dir}: {reason}")
         config = NativeConfig.from_dict(cfg)
-        if quant is not None and dtype != ACT:
-            raise ModelLoadError(f"{quant} matrices take {ACT} activations, not {dtype}")
+        if quant is not None and dtype != act_dtype(quant):
+            raise ModelLoadError(f"{quant} matrices take {act_dtype(quant)} activations, not {dtype}")
         weights = load_weights(model_dir, config, dtype, quant)
         if quant is not None:
             plan_rows(quant_matrices(weights))
@@ -810,11 +814,8 @@ def output_rows(model: NativeCausalLM, vocab_ids: torch.Tensor) -> torch.Tensor:
 def _head_rows(model: NativeCausalLM, ids: torch.Tensor) -> QuantMatrix | torch.Tensor:
     """The head cut to rows ``ids``, in the head's own form (int4's rows kept in int8)."""
     head = model.weights.lm_head
-    if isinstance(head, QuantMatrix) and head.kind in ("int8", "w8a8"):  # rows slice exactly
-        q, scales = head.tensors
-        return QuantMatrix(
-            head.kind, (int(ids.numel()), head.shape[1]), (q[ids].contiguous(), scales[ids].contiguous())
-        )
+    if isinstance(head, QuantMatrix) and (rows := select_rows(head, ids)) is not None:  # bitwise
+        return rows
     rows = output_rows(model, ids)
     if isinstance(head, QuantMatrix):  # int4 again would lose ~2% of the bf16 values read back
         return quantize_matrix(rows, "int8")

@@ -1,7 +1,10 @@
-"""Quantized matrices on torch's own CPU kernels: weight-only int8 per output channel and int4 in
-groups, and w8a8 (int8 weights, activations rounded to int8 per row, an exact int32 matmul).
+"""Quantized matrices: weight-only int8 per output channel and int4 in groups on torch's own CPU
+kernels, w8a8 (int8 weights, activations rounded to int8 per row, an exact int32 matmul), and w4a8
+(4-bit weights, or int8 where the source was 5- to 8-bit, times activations rounded to int8 in
+groups of 32, on the AVX-512 VNNI kernels of :mod:`specdecode.models.int8dot`).
 
-Activations enter in bfloat16 (the weight-only kernels' fast path), results come back bfloat16;
+Activations enter in bfloat16 (the weight-only kernels' fast path), results come back bfloat16
+(w4a8: float32 in and out);
 the residual stream outside the matmuls stays float32 as in the float paths. All kernels are
 row-invariant (a row's result does not depend on the other rows in the call; tested), so a
 matrix may split its rows into the chunks that cost least on this machine (see
@@ -12,12 +15,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from specdecode.models import int8dot
 from specdecode.models.kernels import RowPlan, measure
 
-KINDS = ("int8", "int4", "w8a8")
+KINDS = ("int8", "int4", "w8a8", "w4a8")
+# Matrix kinds of the int8dot kernels: "w4a8" (4-bit tiles) and "w8a8g" (8-bit tiles, what a
+# w4a8 model keeps for its 5- to 8-bit sources); float32 activations in, float32 out.
+DOT_KINDS = ("w4a8", "w8a8g")
 INT4_GROUP = 32  # GGUF's Q4_0/Q4_1/Q4_K blocks are 32 wide; smaller groups track them best
 ACT = torch.bfloat16  # activation dtype into the kernels (their fp32 path is ~10x slower)
 # int4 only where it keeps what the file had: re-quantizing a GGUF 4-bit matrix costs ~0.5% (its
@@ -26,9 +34,16 @@ ACT = torch.bfloat16  # activation dtype into the kernels (their fp32 path is ~1
 INT4_MAX_ERROR = 0.02
 
 
+def act_dtype(kind: str) -> torch.dtype:
+    """The dtype a matrix of ``kind`` takes its activations in."""
+    return torch.float32 if kind in DOT_KINDS else ACT
+
+
 @functools.cache
 def kernel_available(kind: str) -> bool:
     """Whether this torch build runs ``kind``'s kernel (probed once on a tiny matrix)."""
+    if kind in DOT_KINDS:
+        return int8dot.available()
     try:
         x = torch.ones(2, 32, dtype=ACT)
         if kind == "int8":
@@ -131,13 +146,15 @@ class QuantMatrix:
     plan: RowPlan = field(default_factory=RowPlan)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(ACT)
+        x = x.to(act_dtype(self.kind)).contiguous()
         chunks = self.plan.split(x.shape[0])
         if len(chunks) == 1:
             return self._mm(x)
         return torch.cat([self._mm(part) for part in x.split(chunks)])
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind in DOT_KINDS:
+            return self._dot(x)
         if self.kind == "w8a8":
             return _w8a8_mm(x, *self.tensors)
         if self.kind == "int8":
@@ -145,6 +162,16 @@ class QuantMatrix:
             return torch.ops.aten._weight_int8pack_mm(x, q, scales)
         packed, scale_zero = self.tensors
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scale_zero)
+
+    def _dot(self, x: torch.Tensor) -> torch.Tensor:
+        out, n_in = self.shape
+        padded = _padded(out)
+        if self.kind == "w4a8":
+            y = int8dot.u4_mm(x, self.tensors[0], (padded, n_in))
+        else:
+            packed, scale = self.tensors
+            y = int8dot.u8_mm(x, packed, scale, (padded, n_in))
+        return y if padded == out else y[:, :out]
 
     @property
     def nbytes(self) -> int:
@@ -173,28 +200,42 @@ ROW_BLOCK = 4096  # rows quantized at a time: temporaries stay ~100 MB even for 
 def quantize_matrix(w: torch.Tensor, kind: str) -> QuantMatrix | torch.Tensor:
     """``w`` [out, in] as ``kind`` where its kernel runs here and the shape fits; int4 falls back to
     int8 (also where int4 would lose more than ``INT4_MAX_ERROR`` of the matrix), w8a8 to int8,
-    int8 to a bf16 tensor (used with ``F.linear``), so a missing op never fails a load."""
+    int8 to a bf16 tensor (used with ``F.linear``), so a missing op never fails a load. w4a8 falls
+    back to w8a8g the same way, and both to torch's int4 / int8 where their kernels cannot run."""
     shape = (int(w.shape[0]), int(w.shape[1]))
+    if kind in DOT_KINDS:
+        if kernel_available(kind) and shape[1] % int8dot.GROUP == 0:
+            int4 = _try_int4(w, shape, _w4a8) if kind == "w4a8" else None
+            return int4 if int4 is not None else _w8a8g(shape, *_int8_rows(w))
+        kind = "int4" if kind == "w4a8" else "int8"
     if kind == "int4" and int4_fits(shape) and kernel_available("int4"):
         int4 = _try_int4(w, shape)
         if int4 is not None:
             return int4
     w8a8 = kind == "w8a8" and kernel_available("w8a8")
     if w8a8 or (kind in KINDS and kernel_available("int8")):
-        q, scales = (torch.cat(t) for t in zip(*(quantize_int8(block) for block in w.split(ROW_BLOCK))))
+        q, scales = _int8_rows(w)
         return QuantMatrix("w8a8", shape, (q, scales.float())) if w8a8 else QuantMatrix("int8", shape, (q, scales))
     return w.to(ACT).contiguous()
 
 
-def _try_int4(w: torch.Tensor, shape: tuple[int, int]) -> QuantMatrix | None:
-    """``w`` as int4, or None where that would lose more than ``INT4_MAX_ERROR`` of it."""
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scales = (torch.cat(t) for t in zip(*(quantize_int8(block) for block in w.split(ROW_BLOCK))))
+    return q, scales
+
+
+def _try_int4(
+    w: torch.Tensor, shape: tuple[int, int], pack: Callable[..., QuantMatrix] | None = None
+) -> QuantMatrix | None:
+    """``w`` as int4 (packed by ``pack``, default torch's layout), or None where that would lose
+    more than ``INT4_MAX_ERROR`` of it."""
     blocks = w.split(ROW_BLOCK)
     parts = [quantize_int4(block) for block in blocks]
     err2 = sum(float((dequantize_int4(*p) - b.float()).pow(2).sum()) for p, b in zip(parts, blocks))
     if (err2 / max(float(w.float().pow(2).sum()), 1e-30)) ** 0.5 > INT4_MAX_ERROR:
         return None
     q, scale, zero = (torch.cat(t) for t in zip(*parts))
-    return _int4(shape, q, scale, zero)
+    return (pack or _int4)(shape, q, scale, zero)
 
 
 def _int4(shape: tuple[int, int], q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> QuantMatrix:
@@ -203,6 +244,46 @@ def _int4(shape: tuple[int, int], q: torch.Tensor, scale: torch.Tensor, zero: to
     )
     scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [in / group, out, 2]
     return QuantMatrix("int4", shape, (packed, scale_zero))
+
+
+def _padded(out: int) -> int:
+    """Output columns rounded up to whole int8dot tiles."""
+    return -(-out // int8dot.TILE) * int8dot.TILE
+
+
+def _pad_rows(t: torch.Tensor, out: int) -> torch.Tensor:
+    extra = _padded(out) - out
+    return t if not extra else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+
+
+def _w4a8(shape: tuple[int, int], q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> QuantMatrix:
+    """4-bit ``q`` with its scales and zeros in int8dot tiles (rows padded to whole tiles)."""
+    out = shape[0]
+    packed = int8dot.pack_u4(_pad_rows(q, out), _pad_rows(scale, out), _pad_rows(zero, out))
+    return QuantMatrix("w4a8", shape, (packed,))
+
+
+def _w8a8g(shape: tuple[int, int], q: torch.Tensor, scales: torch.Tensor) -> QuantMatrix:
+    """int8 ``q`` with per-row ``scales`` in int8dot tiles (rows padded to whole tiles)."""
+    out = shape[0]
+    packed = int8dot.pack_u8(_pad_rows(q, out))
+    return QuantMatrix("w8a8g", shape, (packed, _pad_rows(scales.float(), out).contiguous()))
+
+
+def select_rows(m: QuantMatrix, ids: torch.Tensor) -> QuantMatrix | None:
+    """``m`` cut to output rows ``ids`` with bitwise the same values (None for torch's opaque
+    int4 layout, which callers read back instead)."""
+    shape = (int(ids.numel()), m.shape[1])
+    if m.kind in ("int8", "w8a8"):
+        q, scales = m.tensors
+        return QuantMatrix(m.kind, shape, (q[ids].contiguous(), scales[ids].contiguous()))
+    if m.kind == "w8a8g":
+        packed, scales = m.tensors
+        return _w8a8g(shape, int8dot.unpack_u8(packed, m.shape[0], m.shape[1])[ids], scales[ids])
+    if m.kind == "w4a8":
+        q, scale, zero = int8dot.unpack_u4(m.tensors[0], m.shape[0], m.shape[1])
+        return _w4a8(shape, q[ids], scale[ids], zero[ids])
+    return None
 
 
 def quant_linear(x: torch.Tensor, w: QuantMatrix | torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -215,11 +296,14 @@ def quant_linear(x: torch.Tensor, w: QuantMatrix | torch.Tensor, b: torch.Tensor
 
 def plan_rows(matrices: list[QuantMatrix]) -> dict[str, RowPlan]:
     """Measure (or read from the per-machine cache) each kind and shape's cheapest row split and
-    give it to every matrix of that kind and shape; returns the plans by name."""
+    give it to every matrix of that kind and shape; returns the plans by name. int8dot matrices
+    keep the empty plan (all rows in one call: the kernel shares each weight tile among them)."""
     plans: dict[str, RowPlan] = {}
     for m in matrices:
+        if m.kind in DOT_KINDS:  # blocks its rows itself, weights read once: one call always wins
+            continue
         name = f"{m.kind}:{m.shape[0]}x{m.shape[1]}"
         if name not in plans:
-            plans[name] = measure(name, m._mm, m.shape[1], ACT)
+            plans[name] = measure(name, m._mm, m.shape[1], act_dtype(m.kind))
         m.plan = plans[name]
     return plans

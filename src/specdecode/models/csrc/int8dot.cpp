@@ -1,0 +1,284 @@
+// Integer-dot matmuls for quantized weights on AVX-512 VNNI (what llama.cpp's CPU path does, in
+// a layout made for several rows at once): activations are rounded to int8 in groups of 32 along
+// the input (one fp32 scale per row and group), multiplied with 4- or 8-bit weights by
+// vpdpbusd (64 multiply-adds per instruction, exact in int32), and scaled to fp32 once per group.
+//
+// Contract (tested against a plain reference in tests/models/test_int8dot.py):
+// - Each output row depends only on its own input row: rows are quantized separately, every
+//   row's sums run in the same order whatever the number of rows or threads (threads split the
+//   output columns), so 1-token decode is bitwise equal to a k-token verify.
+// - Weights come packed by `pack_u4` / `pack_u8` below into tiles of 16 output columns.
+//
+// Layout of one 16-column tile, group by group (G = in / 32 groups):
+//   u4: [256 bytes of nibbles][16 bf16 scales d][16 bf16 zeros z], w = (q - 8) * d + z.
+//       Byte 4j + b of 64-byte chunk c holds column j's q at input 8c + b (low nibble) and at
+//       8c + 4 + b (high nibble): one chunk unpacks to two vpdpbusd operands.
+//   u8: [512 bytes: q + 128 as u8, byte 4j + b of chunk c = column j at input 4c + b]; one fp32
+//       scale per column in a separate vector, w = q * s.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int GROUP = 32;
+constexpr int TILE = 16;
+constexpr int U4_GROUP_BYTES = 256 + 64;
+constexpr int U8_GROUP_BYTES = 512;
+constexpr int MAX_BLOCK = 8;  // most rows sharing one pass over a tile (accumulators stay in registers)
+
+struct QuantRows {
+  // Activations rounded per (row, group): xq int8 [m, k], dx fp32 [m, g] (the scale),
+  // xs int32 [m, g] (the sum of the group's xq), sx fp32 [m, g] (dx * xs).
+  torch::Tensor xq, dx, xs, sx;
+};
+
+inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
+
+QuantRows quantize_rows(const torch::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), g = k / GROUP;
+  auto xq = torch::empty({m, k}, torch::kInt8);
+  auto dx = torch::empty({m, g}, torch::kFloat32);
+  auto xs = torch::empty({m, g}, torch::kInt32);
+  auto sx = torch::empty({m, g}, torch::kFloat32);
+  const float* src = x.data_ptr<float>();
+  int8_t* q = xq.data_ptr<int8_t>();
+  float* d = dx.data_ptr<float>();
+  int32_t* s = xs.data_ptr<int32_t>();
+  float* ds = sx.data_ptr<float>();
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t i = 0; i < m * g; ++i) {
+    const float* p = src + i * GROUP;
+    __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+    const float amax = hmax(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+    const float scale = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // round to nearest even
+    __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * GROUP), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    d[i] = scale;
+    s[i] = sum;
+    ds[i] = scale * static_cast<float>(sum);
+  }
+  return {xq, dx, xs, sx};
+}
+
+inline __m512 load_bf16(const uint8_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512i bcast32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int MB>
+void u4_tile(const uint8_t* w, int64_t groups, const int8_t* xq, const float* dx, const int32_t* xs,
+             const float* sx, int64_t k, float* out, int64_t n) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MB];
+  for (int r = 0; r < MB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, w += U4_GROUP_BYTES) {
+    __m512i isum[MB];
+    for (int r = 0; r < MB; ++r) isum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i packed = _mm512_loadu_si512(w + c * 64);
+      const __m512i lo = _mm512_and_si512(packed, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      for (int r = 0; r < MB; ++r) {
+        const int8_t* a = xq + r * k + g * GROUP + c * 8;
+        isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcast32(a));
+        isum[r] = _mm512_dpbusd_epi32(isum[r], hi, bcast32(a + 4));
+      }
+    }
+    const __m512 d = load_bf16(w + 256);
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), d, load_bf16(w + 288));  // z - 8 d
+    for (int r = 0; r < MB; ++r) {
+      const int64_t at = r * groups + g;
+      // sum_j w_j x_j = d * dx * sum q xq + (z - 8 d) * dx * sum xq, in this order for every row
+      const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(dx[at]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scaled, acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sx[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MB; ++r) _mm512_storeu_ps(out + r * n, acc[r]);
+}
+
+template <int MB>
+void u8_tile(const uint8_t* w, int64_t groups, const int8_t* xq, const float* dx, const int32_t* xs,
+             const float* scale, int64_t k, float* out, int64_t n) {
+  __m512 acc[MB];
+  for (int r = 0; r < MB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, w += U8_GROUP_BYTES) {
+    __m512i isum[MB];
+    for (int r = 0; r < MB; ++r) isum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const __m512i q = _mm512_loadu_si512(w + c * 64);
+      for (int r = 0; r < MB; ++r) isum[r] = _mm512_dpbusd_epi32(isum[r], q, bcast32(xq + r * k + g * GROUP + c * 4));
+    }
+    for (int r = 0; r < MB; ++r) {
+      const int64_t at = r * groups + g;
+      // the weights were stored as q + 128: take 128 * sum x back out, exactly, in int32
+      const __m512i centred = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(xs[at] * 128));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_set1_ps(dx[at]), acc[r]);
+    }
+  }
+  const __m512 s = _mm512_loadu_ps(scale);
+  for (int r = 0; r < MB; ++r) _mm512_storeu_ps(out + r * n, _mm512_mul_ps(acc[r], s));
+}
+
+using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const int32_t*, const float*,
+                        int64_t, float*, int64_t);
+
+template <int MB>
+struct U4 {
+  static constexpr TileFn fn = &u4_tile<MB>;
+};
+template <int MB>
+struct U8 {
+  static constexpr TileFn fn = &u8_tile<MB>;
+};
+
+template <template <int> class F>
+TileFn pick(int mb) {
+  switch (mb) {
+    case 1: return F<1>::fn;
+    case 2: return F<2>::fn;
+    case 3: return F<3>::fn;
+    case 4: return F<4>::fn;
+    case 5: return F<5>::fn;
+    case 6: return F<6>::fn;
+    case 7: return F<7>::fn;
+    default: return F<8>::fn;
+  }
+}
+
+void check_input(const torch::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "int8dot: x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(x.size(1) == k && k % GROUP == 0, "int8dot: x has ", x.size(1), " inputs, the matrix ", k);
+}
+
+// x [m, k] fp32 by a packed [n, k] matrix -> [m, n] fp32. `tile_bytes` is one tile's size.
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& extra, int64_t n,
+                  int64_t k, bool u4, int64_t block) {
+  check_input(x, k);
+  TORCH_CHECK(block >= 1 && block <= MAX_BLOCK, "int8dot: block must be 1..", MAX_BLOCK);
+  TORCH_CHECK(n % TILE == 0, "int8dot: out must be a multiple of ", TILE);
+  const int64_t m = x.size(0), groups = k / GROUP;
+  const int64_t tile_bytes = groups * (u4 ? U4_GROUP_BYTES : U8_GROUP_BYTES);
+  TORCH_CHECK(packed.numel() == (n / TILE) * tile_bytes, "int8dot: packed matrix has the wrong size");
+  QuantRows a = quantize_rows(x);
+  auto out = torch::empty({m, n}, torch::kFloat32);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int8_t* xq = a.xq.data_ptr<int8_t>();
+  const float* dx = a.dx.data_ptr<float>();
+  const int32_t* xs = a.xs.data_ptr<int32_t>();
+  const float* sx = a.sx.data_ptr<float>();
+  const float* scale = u4 ? nullptr : extra.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, n / TILE, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t r0 = 0; r0 < m; r0 += block) {
+        const int mb = static_cast<int>(std::min<int64_t>(block, m - r0));
+        const int8_t* xr = xq + r0 * k;
+        const float* dr = dx + r0 * groups;
+        const int32_t* sr = xs + r0 * groups;
+        float* yr = y + r0 * n + t * TILE;
+        if (u4) {
+          pick<U4>(mb)(w + t * tile_bytes, groups, xr, dr, sr, sx + r0 * groups, k, yr, n);
+        } else {
+          pick<U8>(mb)(w + t * tile_bytes, groups, xr, dr, sr, scale + t * TILE, k, yr, n);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor u4_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t k, int64_t block) {
+  return run(x, packed, torch::Tensor(), n, k, true, block);
+}
+
+torch::Tensor u8_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale, int64_t n,
+                    int64_t k, int64_t block) {
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == n, "int8dot: scale must be float32 [out]");
+  return run(x, packed, scale, n, k, false, block);
+}
+
+// q uint8 0..15 [n, k], d and z bf16 [n, k / 32] -> the u4 tiles (uint8, flat).
+torch::Tensor pack_u4(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& z) {
+  const int64_t n = q.size(0), k = q.size(1), groups = k / GROUP;
+  TORCH_CHECK(n % TILE == 0 && k % GROUP == 0, "int8dot: u4 needs out % 16 == 0 and in % 32 == 0");
+  auto qc = q.contiguous();
+  auto dc = d.contiguous().view(torch::kInt16), zc = z.contiguous().view(torch::kInt16);
+  auto out = torch::empty({(n / TILE) * groups * U4_GROUP_BYTES}, torch::kUInt8);
+  const uint8_t* src = qc.data_ptr<uint8_t>();
+  const int16_t* ds = dc.data_ptr<int16_t>();
+  const int16_t* zs = zc.data_ptr<int16_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / TILE, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* p = dst + (t * groups + g) * U4_GROUP_BYTES;
+        for (int c = 0; c < 4; ++c)
+          for (int j = 0; j < TILE; ++j)
+            for (int b = 0; b < 4; ++b) {
+              const uint8_t* row = src + (t * TILE + j) * k + g * GROUP + c * 8;
+              p[c * 64 + 4 * j + b] = static_cast<uint8_t>((row[b] & 0x0F) | ((row[b + 4] & 0x0F) << 4));
+            }
+        int16_t* dp = reinterpret_cast<int16_t*>(p + 256);
+        int16_t* zp = reinterpret_cast<int16_t*>(p + 288);
+        for (int j = 0; j < TILE; ++j) {
+          dp[j] = ds[(t * TILE + j) * groups + g];
+          zp[j] = zs[(t * TILE + j) * groups + g];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// q int8 [n, k] -> the u8 tiles (q + 128, uint8, flat).
+torch::Tensor pack_u8(const torch::Tensor& q) {
+  const int64_t n = q.size(0), k = q.size(1), groups = k / GROUP;
+  TORCH_CHECK(n % TILE == 0 && k % GROUP == 0, "int8dot: u8 needs out % 16 == 0 and in % 32 == 0");
+  auto qc = q.contiguous();
+  auto out = torch::empty({(n / TILE) * groups * U8_GROUP_BYTES}, torch::kUInt8);
+  const int8_t* src = qc.data_ptr<int8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / TILE, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* p = dst + (t * groups + g) * U8_GROUP_BYTES;
+        for (int c = 0; c < 8; ++c)
+          for (int j = 0; j < TILE; ++j)
+            for (int b = 0; b < 4; ++b)
+              p[c * 64 + 4 * j + b] = static_cast<uint8_t>(src[(t * TILE + j) * k + g * GROUP + c * 4 + b] + 128);
+      }
+  });
+  return out;
+}
+
+std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
+  check_input(x, x.size(1));
+  QuantRows a = quantize_rows(x);
+  return {a.xq, a.dx, a.xs};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("u4_mm", &u4_mm, "x fp32 [m, k] by packed 4-bit weights [n, k] -> fp32 [m, n]");
+  m.def("u8_mm", &u8_mm, "x fp32 [m, k] by packed 8-bit weights [n, k] and their scales -> fp32 [m, n]");
+  m.def("pack_u4", &pack_u4, "4-bit weights, scales and zeros -> u4 tiles");
+  m.def("pack_u8", &pack_u8, "int8 weights -> u8 tiles");
+  m.def("quantize_activations", &quantize_activations, "x fp32 [m, k] -> (xq int8, dx fp32, xs int32)");
+}

@@ -1,0 +1,167 @@
+"""The integer-dot kernels of ``csrc/int8dot.cpp`` (AVX-512 VNNI), built once per machine.
+
+torch's own CPU int4/int8 kernels turn each weight back into a float before multiplying, so a
+call over 5 rows costs about 3x a call over 1 (BENCHMARKS.md): a k-token verify then costs what
+k plain steps cost and speculation cannot pay. These kernels round the activations to int8 in
+groups of 32 instead (llama.cpp's scheme) and multiply in int32 with vpdpbusd, so extra rows cost
+little next to reading the weights.
+
+The extension is compiled with torch's ``cpp_extension`` (g++ and ninja) into the model cache the
+first time it is asked for (about a minute; ``make setup`` does it ahead); where the CPU lacks
+AVX-512 VNNI or the build fails, :func:`available` is False and callers fall back to torch's
+kernels, with :func:`unavailable_reason` saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from specdecode.models.kernels import cpu_info
+
+SOURCE = Path(__file__).parent / "csrc" / "int8dot.cpp"
+FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+GROUP = 32  # activations share one int8 scale per 32 inputs
+TILE = 16  # output columns per packed tile
+BLOCK = 4  # rows that share one pass over a tile (1..8; the accumulators live in registers)
+
+
+def missing_flags() -> list[str]:
+    """The CPU features the kernels need that this machine lacks."""
+    flags = set(cpu_info()[1].split())
+    return [f for f in FLAGS if f not in flags]
+
+
+@functools.cache
+def _build() -> tuple[ModuleType | None, str | None]:
+    missing = missing_flags()
+    if missing:
+        return None, f"the CPU lacks {', '.join(missing)}"
+    try:
+        from torch.utils import cpp_extension
+
+        from specdecode.models.loading import cache_root
+
+        _ninja_on_path()
+
+        tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+        folder = cache_root() / "ext" / f"int8dot-{tag.hexdigest()[:12]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(
+            name="specdecode_int8dot",
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back
+        first = str(exc).strip().splitlines()
+        return None, f"the kernel did not build ({first[0] if first else type(exc).__name__})"
+    return module, None
+
+
+def _ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the ninja package's copy is there only when the
+    venv is activated, so put it first."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def available() -> bool:
+    """Whether the kernels run here (builds them on first call)."""
+    return _build()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False, or None."""
+    return _build()[1]
+
+
+def fits(shape: tuple[int, int]) -> bool:
+    """Whether an [out, in] matrix packs into tiles: out % 16 == 0 and in % 32 == 0."""
+    return shape[0] % TILE == 0 and shape[1] % GROUP == 0
+
+
+def _ext() -> ModuleType:
+    module, reason = _build()
+    if module is None:
+        raise RuntimeError(f"int8dot kernels unavailable: {reason}")
+    return module
+
+
+def pack_u4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """4-bit ``q`` (uint8 0..15 [out, in]) with bf16 ``scale`` and ``zero`` [out, in / 32]
+    (``w = (q - 8) * scale + zero``, models.quant's int4 convention) -> flat uint8 tiles."""
+    return _ext().pack_u4(q.to(torch.uint8), scale.to(torch.bfloat16), zero.to(torch.bfloat16))
+
+
+def pack_u8(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``q`` [out, in] (``w = q * scale[out]``) -> flat uint8 tiles."""
+    return _ext().pack_u8(q.to(torch.int8))
+
+
+def u4_mm(x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, int], block: int = BLOCK) -> torch.Tensor:
+    """``x`` float32 [n, in] by a :func:`pack_u4` matrix of ``shape`` (out, in) -> float32 [n, out]."""
+    return _ext().u4_mm(x, packed, shape[0], shape[1], block)
+
+
+def u8_mm(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], block: int = BLOCK
+) -> torch.Tensor:
+    """``x`` float32 [n, in] by a :func:`pack_u8` matrix with float32 ``scale`` [out] -> float32 [n, out]."""
+    return _ext().u8_mm(x, packed, scale, shape[0], shape[1], block)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's own rounding of ``x`` float32 [n, in]: (xq int8 [n, in], scale float32
+    [n, in / 32], sum of xq int32 [n, in / 32]); exposed for the reference tests."""
+    xq, dx, xs = _ext().quantize_activations(x)
+    return xq, dx, xs
+
+
+def reference_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch rounding of ``x`` [n, in] to int8 per group of 32: (xq [n, in], scale [n, in / 32])."""
+    g = x.float().reshape(x.shape[0], -1, GROUP)
+    amax = g.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = (g * inv[..., None]).round().clamp(-128, 127)
+    return xq.reshape(x.shape).to(torch.int8), amax / 127.0
+
+
+def unpack_u4(packed: torch.Tensor, out: int, n_in: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_u4` (plain torch, no kernel): (q uint8 [out, in], scale and zero
+    bf16 [out, in / 32]) for the first ``out`` columns of the tiles."""
+    tiles, groups = -(-out // TILE), n_in // GROUP
+    t = packed.view(tiles, groups, 320)
+    nib = t[:, :, :256].reshape(tiles, groups, 4, TILE, 4)  # [tile, group, chunk, column, byte]
+    lo, hi = nib & 0x0F, nib >> 4
+    q = torch.stack((lo, hi), dim=3)  # [tile, group, chunk, half, column, byte]: input 8c + 4h + b
+    q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * TILE, n_in)
+    scales = t[:, :, 256:].contiguous().view(torch.bfloat16).reshape(tiles, groups, 2, TILE)
+    scale = scales[:, :, 0].permute(0, 2, 1).reshape(tiles * TILE, groups)
+    zero = scales[:, :, 1].permute(0, 2, 1).reshape(tiles * TILE, groups)
+    return q[:out].contiguous(), scale[:out].contiguous(), zero[:out].contiguous()
+
+
+def unpack_u8(packed: torch.Tensor, out: int, n_in: int) -> torch.Tensor:
+    """Inverse of :func:`pack_u8` (plain torch): int8 q [out, in] for the first ``out`` columns."""
+    tiles, groups = -(-out // TILE), n_in // GROUP
+    t = packed.view(tiles, groups, 8, TILE, 4)  # [tile, group, chunk, column, byte]: input 4c + b
+    q = (t.to(torch.int16) - 128).to(torch.int8)
+    return q.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, n_in)[:out].contiguous()
+
+
+def build_report() -> str:
+    """Build now if needed (``make kernels``) and say how it went, in one line."""
+    return "int8dot kernels ready" if available() else f"int8dot kernels unavailable: {unavailable_reason()}"

@@ -1,0 +1,105 @@
+"""The int8dot kernels (AVX-512 VNNI) against plain torch: activation rounding, packing, the two
+matmuls over 1..19 rows (row by row bitwise equal to the whole call), and cutting a head's rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.models import int8dot, quant
+
+pytestmark = pytest.mark.skipif(not int8dot.available(), reason=f"int8dot: {int8dot.unavailable_reason()}")
+
+# Stated tolerance: the kernel against the same rounded activations times the dequantized matrix
+# in float64; only the fp32 summation differs (relative Frobenius error).
+RTOL = 1e-5
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _int4(out: int, n_in: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = _gen(seed)
+    q = torch.randint(0, 16, (out, n_in), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(out, n_in // 32, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+    zero = (torch.randn(out, n_in // 32, generator=g) * 0.05).to(torch.bfloat16)
+    return q, scale, zero
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    xq, dx = int8dot.reference_activations(x)
+    return (xq.double().reshape(x.shape[0], -1, 32) * dx.double()[..., None]).reshape(x.shape)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_activation_rounding_matches_plain_torch():
+    x = torch.randn(7, 256, generator=_gen(1)) * torch.logspace(-3, 3, 256)  # outliers in some groups
+    x[2] = 0.0  # a zero row: scale 0, every value 0
+    x[3, :32] = 1e-30
+    xq, dx, xs = int8dot.quantize_activations(x)
+    ref_q, ref_dx = int8dot.reference_activations(x)
+    assert torch.equal(xq, ref_q) and torch.equal(dx, ref_dx)
+    assert torch.equal(xs, ref_q.reshape(7, -1, 32).int().sum(-1))
+    assert int(xq.abs().max()) == 127 and torch.equal(xq[2], torch.zeros_like(xq[2]))
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (256, 1536)])
+def test_packing_round_trips(shape):
+    q, scale, zero = _int4(*shape)
+    back = int8dot.unpack_u4(int8dot.pack_u4(q, scale, zero), *shape)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, scale, zero)))
+    q8 = torch.randint(-128, 128, shape, generator=_gen(2), dtype=torch.int8)
+    assert torch.equal(int8dot.unpack_u8(int8dot.pack_u8(q8), *shape), q8)
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (64, 96), (512, 1536), (32, 8960)])
+def test_u4_matches_reference_and_rows_are_independent(shape):
+    q, scale, zero = _int4(*shape, seed=shape[0])
+    packed = int8dot.pack_u4(q, scale, zero)
+    x = torch.randn(19, shape[1], generator=_gen(3))
+    y = int8dot.u4_mm(x, packed, shape)
+    w = quant.dequantize_int4(q, scale, zero).double()
+    assert y.dtype == torch.float32 and y.shape == (19, shape[0])
+    assert _rel(y, _rounded(x) @ w.t()) < RTOL
+    for n in (1, 2, 5, 8, 9, 16):  # every register block size and a remainder
+        assert torch.equal(int8dot.u4_mm(x[:n].contiguous(), packed, shape), y[:n])
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (64, 96), (1024, 576)])
+def test_u8_matches_reference_and_rows_are_independent(shape):
+    q = torch.randint(-128, 128, shape, generator=_gen(4), dtype=torch.int8)
+    scale = torch.rand(shape[0], generator=_gen(5)) * 0.01
+    packed = int8dot.pack_u8(q)
+    x = torch.randn(19, shape[1], generator=_gen(6))
+    y = int8dot.u8_mm(x, packed, scale, shape)
+    assert _rel(y, _rounded(x) @ (q.double() * scale.double()[:, None]).t()) < RTOL
+    for n in (1, 3, 8, 11):
+        assert torch.equal(int8dot.u8_mm(x[:n].contiguous(), packed, scale, shape), y[:n])
+
+
+def test_bad_inputs_are_refused_with_a_reason():
+    packed = int8dot.pack_u4(*_int4(16, 64))
+    with pytest.raises(RuntimeError, match="float32"):
+        int8dot.u4_mm(torch.ones(1, 64, dtype=torch.bfloat16), packed, (16, 64))
+    with pytest.raises(RuntimeError, match="x has 32 inputs, the matrix 64"):
+        int8dot.u4_mm(torch.ones(1, 32), packed, (16, 64))
+    with pytest.raises(RuntimeError, match="wrong size"):
+        int8dot.u4_mm(torch.ones(1, 64), packed, (32, 64))
+
+
+@pytest.mark.parametrize("kind", ["w4a8", "w8a8g"])
+def test_cut_rows_give_bitwise_the_same_logits(kind):
+    """A reduced draft head: the kept rows (an odd count, so the cut is padded to whole tiles)
+    score exactly as they did in the full head."""
+    w = quant.dequantize_int4(*_int4(96, 64)) if kind == "w4a8" else torch.randn(96, 64, generator=_gen(7))
+    m = quant.quantize_matrix(w, kind)
+    assert m.kind == kind
+    ids = torch.tensor([0, 3, 5, 17, 40, 95, 64])
+    cut = quant.select_rows(m, ids)
+    assert cut.kind == kind and cut.shape == (7, 64)
+    x = torch.randn(4, 64, generator=_gen(8))
+    assert torch.equal(cut(x), m(x)[:, ids])
