@@ -103,3 +103,89 @@ def test_cut_rows_give_bitwise_the_same_logits(kind):
     assert cut.kind == kind and cut.shape == (7, 64)
     x = torch.randn(4, 64, generator=_gen(8))
     assert torch.equal(cut(x), m(x)[:, ids])
+
+
+def _python_attention(qkv, cos, sin, keys, values, start, mask, hq, hkv):
+    """The native path's own ops (rotate-half RoPE, cache write, SDPA) as the reference."""
+    from specdecode.models.native import _rotate
+
+    n, d = qkv.shape[0], keys.shape[-1]
+    qk = _rotate(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos[:, None], sin[:, None])
+    keys[:, start : start + n] = qk[:, hq:].transpose(0, 1)
+    values[:, start : start + n] = qkv[:, (hq + hkv) * d :].view(n, hkv, d).transpose(0, 1)
+    q = qk[:, :hq].transpose(0, 1)[None]
+    if mask is None:
+        mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.double(),
+        keys[None, :, : start + n].double(),
+        values[None, :, : start + n].double(),
+        attn_mask=mask[None, None],
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1).reshape(n, hq * d).float()
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(12, 2, 128), (9, 3, 64), (4, 4, 16)])
+@pytest.mark.parametrize(("start", "n"), [(0, 7), (37, 1), (200, 5)])
+def test_attention_matches_sdpa_and_rows_are_independent(hq, hkv, d, start, n):
+    from specdecode.models.rope import cos_sin
+
+    g = _gen(start + n)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)
+    cache = torch.randn(2, hkv, 256, d, generator=g)
+    freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = cos_sin(freq, torch.arange(start, start + n), torch.float32)
+    ref_cache = cache.clone()
+    want = _python_attention(qkv, cos, sin, ref_cache[0], ref_cache[1], start, None, hq, hkv)
+    got = int8dot.attend_rows(qkv, cos, sin, cache[0], cache[1], start, None, hq, hkv)
+    assert torch.allclose(cache, ref_cache, atol=1e-6)  # the rows' rotated keys and values stored
+    assert _rel(got, want) < RTOL
+    for i in range(n):  # each row alone, after the rows before it: bitwise the same
+        alone = cache.clone()
+        alone[:, :, start + i :] = 0.0
+        int8dot.attend_rows(qkv[:i].contiguous(), cos[:i], sin[:i], alone[0], alone[1], start, None, hq, hkv)
+        one = int8dot.attend_rows(
+            qkv[i : i + 1].contiguous(),
+            cos[i : i + 1].contiguous(),
+            sin[i : i + 1].contiguous(),
+            alone[0],
+            alone[1],
+            start + i,
+            None,
+            hq,
+            hkv,
+        )
+        assert torch.equal(one[0], got[i])
+
+
+def test_attention_follows_a_tree_mask():
+    """Row 2 sees the cache, row 0 and itself only (a sibling branch): as SDPA with that mask."""
+    from specdecode.models.rope import cos_sin
+
+    hq, hkv, d, start, n = 4, 2, 32, 10, 3
+    g = _gen(11)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)
+    cache = torch.randn(2, hkv, 32, d, generator=g)
+    cos, sin = cos_sin(torch.rand(d // 2), torch.tensor([10, 11, 11]), torch.float32)
+    mask = torch.ones(n, start + n, dtype=torch.bool)
+    mask[:, start:] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    ref_cache = cache.clone()
+    want = _python_attention(qkv, cos, sin, ref_cache[0], ref_cache[1], start, mask, hq, hkv)
+    got = int8dot.attend_rows(qkv, cos, sin, cache[0], cache[1], start, mask, hq, hkv)
+    assert _rel(got, want) < RTOL
+
+
+def test_attention_refuses_a_full_cache():
+    with pytest.raises(RuntimeError, match="holds 4 positions, not 5"):
+        int8dot.attend_rows(
+            torch.zeros(2, 3 * 16),
+            torch.zeros(2, 16),
+            torch.zeros(2, 16),
+            torch.zeros(1, 4, 16),
+            torch.zeros(1, 4, 16),
+            3,
+            None,
+            1,
+            1,
+        )

@@ -1,4 +1,5 @@
-"""The integer-dot kernels of ``csrc/int8dot.cpp`` (AVX-512 VNNI), built once per machine.
+"""The integer-dot kernels of ``csrc/int8dot.cpp`` (AVX-512 VNNI), and the row-by-row attention
+of ``csrc/attention.cpp`` built into the same extension, once per machine.
 
 torch's own CPU int4/int8 kernels turn each weight back into a float before multiplying, so a
 call over 5 rows costs about 3x a call over 1 (BENCHMARKS.md): a k-token verify then costs what
@@ -24,7 +25,7 @@ import torch
 
 from specdecode.models.kernels import cpu_info
 
-SOURCE = Path(__file__).parent / "csrc" / "int8dot.cpp"
+SOURCES = (Path(__file__).parent / "csrc" / "int8dot.cpp", Path(__file__).parent / "csrc" / "attention.cpp")
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 GROUP = 32  # activations share one int8 scale per 32 inputs
@@ -50,12 +51,13 @@ def _build() -> tuple[ModuleType | None, str | None]:
 
         _ninja_on_path()
 
-        tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+        tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode())
+        tag.update(torch.__version__.encode())
         folder = cache_root() / "ext" / f"int8dot-{tag.hexdigest()[:12]}"
         folder.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
             name="specdecode_int8dot",
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
@@ -121,6 +123,26 @@ def u8_mm(
 ) -> torch.Tensor:
     """``x`` float32 [n, in] by a :func:`pack_u8` matrix with float32 ``scale`` [out] -> float32 [n, out]."""
     return _ext().u8_mm(x, packed, scale, shape[0], shape[1], block)
+
+
+def attend_rows(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+) -> torch.Tensor:
+    """One sequence's attention for its new rows, each row alone: ``qkv`` float32 [n, (heads +
+    2 kv_heads) * d] (the fused projection), ``cos``/``sin`` [n, d] (rotate-half RoPE at the
+    rows' positions), ``keys``/``values`` float32 [kv_heads, capacity, d] (one layer's cache; the
+    rows' rotated keys and values are written at ``start``..``start + n``), ``mask`` bool
+    [n, start + n] or None (causal). Returns float32 [n, heads * d]."""
+    empty = torch.empty(0, dtype=torch.bool)
+    return _ext().attend_rows(qkv, cos, sin, keys, values, start, empty if mask is None else mask, heads, kv_heads)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.errors import ConfigError, ModelLoadError
-from specdecode.models import quant_store
+from specdecode.models import int8dot, quant_store
 from specdecode.models.base import ModelCaps
 from specdecode.models.gguf_source import GGUFTensors
 from specdecode.models.loading import LoadedModel, gguf_source
@@ -339,6 +339,7 @@ class _Dims:
     eps: float
     dtype: torch.dtype  # of the matrices; activations between them stay float32
     row_exact: bool = False  # attention row by row: k-token verify bitwise equal to 1-token decode
+    fused: bool = False  # row_exact attention (and RoPE, cache write) in one int8dot.attend_rows call
 
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -384,12 +385,37 @@ def _attention(
     """
     n, hq, hkv, hd = x.shape[0], d.heads, d.kv_heads, d.head_dim
     qkv = lin(_norm(x, w.ln1, d), w.wqkv, w.bqkv).float()
+    if d.fused:
+        return lin(_attend_fused(qkv, layer, seqs, rope, d).to(d.dtype), w.wo, w.bo)
     # q and k rotate together: one set of elementwise ops instead of two.
     qk = _rotate(qkv[:, : (hq + hkv) * hd].view(n, hq + hkv, hd), rope[0], rope[1])
     v = qkv[:, (hq + hkv) * hd :].view(n, hkv, hd)
     outs = [_attend(qk[s.lo : s.hi], v[s.lo : s.hi], s.keys[layer], s.values[layer], s.start, s.mask, d) for s in seqs]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return lin(out.to(d.dtype), w.wo, w.bo)
+
+
+def _attend_fused(
+    qkv: torch.Tensor, layer: int, seqs: list[_Seq], rope: tuple[torch.Tensor, torch.Tensor], d: _Dims
+) -> torch.Tensor:
+    """Every sequence's rows through the C++ kernel (same contract as the row-by-row path: each
+    row as its own 1-token decode would compute it); float32 [n, heads * head_dim]."""
+    cos, sin = rope[0][:, 0], rope[1][:, 0]  # [n, head_dim]
+    outs = [
+        int8dot.attend_rows(
+            qkv[s.lo : s.hi],
+            cos[s.lo : s.hi],
+            sin[s.lo : s.hi],
+            s.keys[layer, 0],
+            s.values[layer, 0],
+            s.start,
+            None if s.mask is None else s.mask[0, 0].contiguous(),
+            d.heads,
+            d.kv_heads,
+        )
+        for s in seqs
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _attend(
@@ -552,6 +578,8 @@ class NativeCausalLM:
             dtype,
             (dtype == torch.bfloat16 or quant is not None) if row_exact is None else row_exact,
         )
+        fused = self._dims.row_exact and config.head_dim % 16 == 0 and int8dot.available()
+        self._dims = dataclasses.replace(self._dims, fused=fused)
         self._inv_freq = inv_freq(config.rope, config.head_dim)
         self._decoder: Callable[..., torch.Tensor] = _decoder
 

@@ -275,10 +275,16 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
 
 }  // namespace
 
+// csrc/attention.cpp
+torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                          torch::Tensor keys, torch::Tensor values, int64_t start, const torch::Tensor& mask,
+                          int64_t hq, int64_t hkv);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("u4_mm", &u4_mm, "x fp32 [m, k] by packed 4-bit weights [n, k] -> fp32 [m, n]");
   m.def("u8_mm", &u8_mm, "x fp32 [m, k] by packed 8-bit weights [n, k] and their scales -> fp32 [m, n]");
   m.def("pack_u4", &pack_u4, "4-bit weights, scales and zeros -> u4 tiles");
   m.def("pack_u8", &pack_u8, "int8 weights -> u8 tiles");
+  m.def("attend_rows", &attend_rows, "RoPE, cache write and row-by-row attention over one sequence's cache");
   m.def("quantize_activations", &quantize_activations, "x fp32 [m, k] -> (xq int8, dx fp32, xs int32)");
 }
