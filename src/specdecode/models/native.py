@@ -347,7 +347,8 @@ Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, d: _Dims) -> torch.Tensor:
     """RMSNorm of the float32 stream, handed to the next matmul in the matrices' dtype."""
-    return F.rms_norm(x, (d.hidden,), weight, d.eps).to(d.dtype)
+    y = F.rms_norm(x, (d.hidden,), weight, d.eps)
+    return y if y.dtype == d.dtype else y.to(d.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -384,9 +385,11 @@ def _attention(
     attention itself runs per sequence, over that sequence's cache only.
     """
     n, hq, hkv, hd = x.shape[0], d.heads, d.kv_heads, d.head_dim
-    qkv = lin(_norm(x, w.ln1, d), w.wqkv, w.bqkv).float()
+    qkv = lin(_norm(x, w.ln1, d), w.wqkv, w.bqkv)
+    qkv = qkv if qkv.dtype == torch.float32 else qkv.float()
     if d.fused:
-        return lin(_attend_fused(qkv, layer, seqs, rope, d).to(d.dtype), w.wo, w.bo)
+        out = _attend_fused(qkv, layer, seqs, rope, d)  # float32
+        return lin(out if out.dtype == d.dtype else out.to(d.dtype), w.wo, w.bo)
     # q and k rotate together: one set of elementwise ops instead of two.
     qk = _rotate(qkv[:, : (hq + hkv) * hd].view(n, hq + hkv, hd), rope[0], rope[1])
     v = qkv[:, (hq + hkv) * hd :].view(n, hkv, hd)

@@ -146,7 +146,9 @@ class QuantMatrix:
     plan: RowPlan = field(default_factory=RowPlan)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(act_dtype(self.kind)).contiguous()
+        act = act_dtype(self.kind)
+        if x.dtype != act or not x.is_contiguous():  # no op at all in the common case (~1 us each)
+            x = x.to(act).contiguous()
         chunks = self.plan.split(x.shape[0])
         if len(chunks) == 1:
             return self._mm(x)
