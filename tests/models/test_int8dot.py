@@ -47,7 +47,7 @@ def test_activation_rounding_matches_plain_torch():
     assert int(xq.abs().max()) == 127 and torch.equal(xq[2], torch.zeros_like(xq[2]))
 
 
-@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (256, 1536)])
+@pytest.mark.parametrize("shape", [(32, 32), (96, 96), (256, 1536)])
 def test_packing_round_trips(shape):
     q, scale, zero = _int4(*shape)
     back = int8dot.unpack_u4(int8dot.pack_u4(q, scale, zero), *shape)
@@ -56,7 +56,7 @@ def test_packing_round_trips(shape):
     assert torch.equal(int8dot.unpack_u8(int8dot.pack_u8(q8), *shape), q8)
 
 
-@pytest.mark.parametrize("shape", [(16, 32), (64, 96), (512, 1536), (32, 8960)])
+@pytest.mark.parametrize("shape", [(32, 32), (64, 96), (512, 1536), (32, 8960)])
 def test_u4_matches_reference_and_rows_are_independent(shape):
     q, scale, zero = _int4(*shape, seed=shape[0])
     packed = int8dot.pack_u4(q, scale, zero)
@@ -82,13 +82,15 @@ def test_u8_matches_reference_and_rows_are_independent(shape):
 
 
 def test_bad_inputs_are_refused_with_a_reason():
-    packed = int8dot.pack_u4(*_int4(16, 64))
+    packed = int8dot.pack_u4(*_int4(32, 64))
     with pytest.raises(RuntimeError, match="float32"):
-        int8dot.u4_mm(torch.ones(1, 64, dtype=torch.bfloat16), packed, (16, 64))
+        int8dot.u4_mm(torch.ones(1, 64, dtype=torch.bfloat16), packed, (32, 64))
     with pytest.raises(RuntimeError, match="x has 32 inputs, the matrix 64"):
-        int8dot.u4_mm(torch.ones(1, 32), packed, (16, 64))
+        int8dot.u4_mm(torch.ones(1, 32), packed, (32, 64))
     with pytest.raises(RuntimeError, match="wrong size"):
-        int8dot.u4_mm(torch.ones(1, 64), packed, (32, 64))
+        int8dot.u4_mm(torch.ones(1, 64), packed, (64, 64))
+    with pytest.raises(RuntimeError, match="out % 32 == 0"):
+        int8dot.pack_u4(*_int4(16, 64))
 
 
 @pytest.mark.parametrize("kind", ["w4a8", "w8a8g"])
@@ -189,3 +191,13 @@ def test_attention_refuses_a_full_cache():
             1,
             1,
         )
+
+
+def test_row_blocks_change_no_bit():
+    """Every row block size (rows sharing one pass over a tile) gives bitwise the same result."""
+    shape = (96, 96)
+    packed = int8dot.pack_u4(*_int4(*shape, seed=9))
+    x = torch.randn(7, shape[1], generator=_gen(10))
+    want = int8dot.u4_mm(x, packed, shape)
+    for block in range(1, 9):
+        assert torch.equal(int8dot.u4_mm(x, packed, shape, block), want)

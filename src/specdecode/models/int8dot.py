@@ -29,7 +29,8 @@ SOURCES = (Path(__file__).parent / "csrc" / "int8dot.cpp", Path(__file__).parent
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 GROUP = 32  # activations share one int8 scale per 32 inputs
-TILE = 16  # output columns per packed tile
+TILE = 16  # output columns per packed u8 tile
+U4_TILE = 32  # per packed u4 tile (two 16-column halves)
 BLOCK = 4  # rows that share one pass over a tile (1..8; the accumulators live in registers)
 
 
@@ -64,8 +65,9 @@ def _build() -> tuple[ModuleType | None, str | None]:
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back
-        first = str(exc).strip().splitlines()
-        return None, f"the kernel did not build ({first[0] if first else type(exc).__name__})"
+        lines = str(exc).strip().splitlines()
+        errors = [ln.strip() for ln in lines if "error" in ln.lower()][1:2] or lines[:1]  # the compiler's own
+        return None, f"the kernel did not build ({errors[0] if errors else type(exc).__name__})"
     return module, None
 
 
@@ -103,8 +105,8 @@ def _ext() -> ModuleType:
 
 
 def pack_u4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """4-bit ``q`` (uint8 0..15 [out, in]) with bf16 ``scale`` and ``zero`` [out, in / 32]
-    (``w = (q - 8) * scale + zero``, models.quant's int4 convention) -> flat uint8 tiles."""
+    """4-bit ``q`` (uint8 0..15 [out, in], out a multiple of 32) with bf16 ``scale`` and ``zero``
+    [out, in / 32] (``w = (q - 8) * scale + zero``, models.quant's int4 convention) -> flat uint8 tiles."""
     return _ext().pack_u4(q.to(torch.uint8), scale.to(torch.bfloat16), zero.to(torch.bfloat16))
 
 
@@ -164,8 +166,9 @@ def reference_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def unpack_u4(packed: torch.Tensor, out: int, n_in: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack_u4` (plain torch, no kernel): (q uint8 [out, in], scale and zero
     bf16 [out, in / 32]) for the first ``out`` columns of the tiles."""
-    tiles, groups = -(-out // TILE), n_in // GROUP
-    t = packed.view(tiles, groups, 320)
+    halves, groups = -(-out // U4_TILE) * 2, n_in // GROUP
+    t = packed.view(halves // 2, groups, 2, 320).transpose(1, 2).reshape(halves, groups, 320)
+    tiles = halves
     nib = t[:, :, :256].reshape(tiles, groups, 4, TILE, 4)  # [tile, group, chunk, column, byte]
     lo, hi = nib & 0x0F, nib >> 4
     q = torch.stack((lo, hi), dim=3)  # [tile, group, chunk, half, column, byte]: input 8c + 4h + b

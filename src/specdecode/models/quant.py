@@ -167,7 +167,7 @@ class QuantMatrix:
 
     def _dot(self, x: torch.Tensor) -> torch.Tensor:
         out, n_in = self.shape
-        padded = _padded(out)
+        padded = _padded(out, self.kind)
         if self.kind == "w4a8":
             y = int8dot.u4_mm(x, self.tensors[0], (padded, n_in))
         else:
@@ -248,28 +248,29 @@ def _int4(shape: tuple[int, int], q: torch.Tensor, scale: torch.Tensor, zero: to
     return QuantMatrix("int4", shape, (packed, scale_zero))
 
 
-def _padded(out: int) -> int:
-    """Output columns rounded up to whole int8dot tiles."""
-    return -(-out // int8dot.TILE) * int8dot.TILE
+def _padded(out: int, kind: str) -> int:
+    """Output columns rounded up to whole int8dot tiles of ``kind``."""
+    tile = int8dot.U4_TILE if kind == "w4a8" else int8dot.TILE
+    return -(-out // tile) * tile
 
 
-def _pad_rows(t: torch.Tensor, out: int) -> torch.Tensor:
-    extra = _padded(out) - out
+def _pad_rows(t: torch.Tensor, out: int, kind: str) -> torch.Tensor:
+    extra = _padded(out, kind) - out
     return t if not extra else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
 
 
 def _w4a8(shape: tuple[int, int], q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> QuantMatrix:
     """4-bit ``q`` with its scales and zeros in int8dot tiles (rows padded to whole tiles)."""
     out = shape[0]
-    packed = int8dot.pack_u4(_pad_rows(q, out), _pad_rows(scale, out), _pad_rows(zero, out))
+    packed = int8dot.pack_u4(*(_pad_rows(t, out, "w4a8") for t in (q, scale, zero)))
     return QuantMatrix("w4a8", shape, (packed,))
 
 
 def _w8a8g(shape: tuple[int, int], q: torch.Tensor, scales: torch.Tensor) -> QuantMatrix:
     """int8 ``q`` with per-row ``scales`` in int8dot tiles (rows padded to whole tiles)."""
     out = shape[0]
-    packed = int8dot.pack_u8(_pad_rows(q, out))
-    return QuantMatrix("w8a8g", shape, (packed, _pad_rows(scales.float(), out).contiguous()))
+    packed = int8dot.pack_u8(_pad_rows(q, out, "w8a8g"))
+    return QuantMatrix("w8a8g", shape, (packed, _pad_rows(scales.float(), out, "w8a8g").contiguous()))
 
 
 def select_rows(m: QuantMatrix, ids: torch.Tensor) -> QuantMatrix | None:

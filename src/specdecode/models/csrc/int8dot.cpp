@@ -7,12 +7,15 @@
 // - Each output row depends only on its own input row: rows are quantized separately, every
 //   row's sums run in the same order whatever the number of rows or threads (threads split the
 //   output columns), so 1-token decode is bitwise equal to a k-token verify.
-// - Weights come packed by `pack_u4` / `pack_u8` below into tiles of 16 output columns.
+// - Weights come packed by `pack_u4` / `pack_u8` below into tiles of output columns: 32 for u4
+//   (two 16-column halves side by side, so each broadcast activation feeds two multiplies and
+//   the weights stay one stream), 16 for u8.
 //
-// Layout of one 16-column tile, group by group (G = in / 32 groups):
-//   u4: [256 bytes of nibbles][16 bf16 scales d][16 bf16 zeros z], w = (q - 8) * d + z.
-//       Byte 4j + b of 64-byte chunk c holds column j's q at input 8c + b (low nibble) and at
-//       8c + 4 + b (high nibble): one chunk unpacks to two vpdpbusd operands.
+// Layout, group by group (G = in / 32 groups):
+//   u4: per group, for each 16-column half: [256 bytes of nibbles][16 bf16 scales d][16 bf16
+//       zeros z], w = (q - 8) * d + z. Byte 4j + b of 64-byte chunk c holds column j's q at
+//       input 8c + b (low nibble) and at 8c + 4 + b (high nibble): one chunk unpacks to two
+//       vpdpbusd operands.
 //   u8: [512 bytes: q + 128 as u8, byte 4j + b of chunk c = column j at input 4c + b]; one fp32
 //       scale per column in a separate vector, w = q * s.
 #include <torch/extension.h>
@@ -25,8 +28,9 @@
 namespace {
 
 constexpr int GROUP = 32;
-constexpr int TILE = 16;
-constexpr int U4_GROUP_BYTES = 256 + 64;
+constexpr int TILE = 16;     // columns per 512-bit accumulator
+constexpr int U4_TILE = 32;  // columns per u4 tile: two halves
+constexpr int U4_GROUP_BYTES = 256 + 64;  // one half's group
 constexpr int U8_GROUP_BYTES = 512;
 constexpr int MAX_BLOCK = 8;  // most rows sharing one pass over a tile (accumulators stay in registers)
 
@@ -79,36 +83,50 @@ inline __m512i bcast32(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// One u4 tile (two 16-column halves) for MB rows: each broadcast activation feeds both halves.
 template <int MB>
-void u4_tile(const uint8_t* w, int64_t groups, const int8_t* xq, const float* dx, const int32_t* xs,
-             const float* sx, int64_t k, float* out, int64_t n) {
+void u4_tile(const uint8_t* w, int64_t groups, const int8_t* xq, const float* dx, const float* sx, int64_t k,
+             float* out, int64_t n) {
+  constexpr int NT = 2;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[MB];
-  for (int r = 0; r < MB; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g, w += U4_GROUP_BYTES) {
-    __m512i isum[MB];
-    for (int r = 0; r < MB; ++r) isum[r] = _mm512_setzero_si512();
+  __m512 acc[NT][MB];
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < MB; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, w += NT * U4_GROUP_BYTES) {
+    __m512i isum[NT][MB];
+    for (int j = 0; j < NT; ++j)
+      for (int r = 0; r < MB; ++r) isum[j][r] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      const __m512i packed = _mm512_loadu_si512(w + c * 64);
-      const __m512i lo = _mm512_and_si512(packed, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      __m512i lo[NT], hi[NT];
+      for (int j = 0; j < NT; ++j) {
+        const __m512i packed = _mm512_loadu_si512(w + j * U4_GROUP_BYTES + c * 64);
+        lo[j] = _mm512_and_si512(packed, low);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      }
       for (int r = 0; r < MB; ++r) {
         const int8_t* a = xq + r * k + g * GROUP + c * 8;
-        isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcast32(a));
-        isum[r] = _mm512_dpbusd_epi32(isum[r], hi, bcast32(a + 4));
+        const __m512i first = bcast32(a), second = bcast32(a + 4);
+        for (int j = 0; j < NT; ++j) {
+          isum[j][r] = _mm512_dpbusd_epi32(isum[j][r], lo[j], first);
+          isum[j][r] = _mm512_dpbusd_epi32(isum[j][r], hi[j], second);
+        }
       }
     }
-    const __m512 d = load_bf16(w + 256);
-    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), d, load_bf16(w + 288));  // z - 8 d
-    for (int r = 0; r < MB; ++r) {
-      const int64_t at = r * groups + g;
-      // sum_j w_j x_j = d * dx * sum q xq + (z - 8 d) * dx * sum xq, in this order for every row
-      const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(dx[at]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scaled, acc[r]);
-      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sx[at]), acc[r]);
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* sc = w + j * U4_GROUP_BYTES + 256;
+      const __m512 d = load_bf16(sc);
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), d, load_bf16(sc + 32));  // z - 8 d
+      for (int r = 0; r < MB; ++r) {
+        const int64_t at = r * groups + g;
+        // sum_j w_j x_j = d * dx * sum q xq + (z - 8 d) * dx * sum xq, in this order for every row
+        const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(dx[at]));
+        acc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j][r]), scaled, acc[j][r]);
+        acc[j][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sx[at]), acc[j][r]);
+      }
     }
   }
-  for (int r = 0; r < MB; ++r) _mm512_storeu_ps(out + r * n, acc[r]);
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < MB; ++r) _mm512_storeu_ps(out + r * n + j * TILE, acc[j][r]);
 }
 
 template <int MB>
@@ -137,17 +155,19 @@ void u8_tile(const uint8_t* w, int64_t groups, const int8_t* xq, const float* dx
 using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const int32_t*, const float*,
                         int64_t, float*, int64_t);
 
+using U4Fn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, float*, int64_t);
+
 template <int MB>
 struct U4 {
-  static constexpr TileFn fn = &u4_tile<MB>;
+  static constexpr U4Fn fn = &u4_tile<MB>;
 };
 template <int MB>
 struct U8 {
   static constexpr TileFn fn = &u8_tile<MB>;
 };
 
-template <template <int> class F>
-TileFn pick(int mb) {
+template <template <int> class F, typename Fn = TileFn>
+Fn pick(int mb) {
   switch (mb) {
     case 1: return F<1>::fn;
     case 2: return F<2>::fn;
@@ -171,10 +191,11 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, const tor
                   int64_t k, bool u4, int64_t block) {
   check_input(x, k);
   TORCH_CHECK(block >= 1 && block <= MAX_BLOCK, "int8dot: block must be 1..", MAX_BLOCK);
-  TORCH_CHECK(n % TILE == 0, "int8dot: out must be a multiple of ", TILE);
+  const int64_t width = u4 ? U4_TILE : TILE;
+  TORCH_CHECK(n % width == 0, "int8dot: out must be a multiple of ", width);
   const int64_t m = x.size(0), groups = k / GROUP;
-  const int64_t tile_bytes = groups * (u4 ? U4_GROUP_BYTES : U8_GROUP_BYTES);
-  TORCH_CHECK(packed.numel() == (n / TILE) * tile_bytes, "int8dot: packed matrix has the wrong size");
+  const int64_t tile_bytes = groups * (u4 ? 2 * U4_GROUP_BYTES : U8_GROUP_BYTES);
+  TORCH_CHECK(packed.numel() == (n / width) * tile_bytes, "int8dot: packed matrix has the wrong size");
   QuantRows a = quantize_rows(x);
   auto out = torch::empty({m, n}, torch::kFloat32);
   const uint8_t* w = packed.data_ptr<uint8_t>();
@@ -184,16 +205,16 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, const tor
   const float* sx = a.sx.data_ptr<float>();
   const float* scale = u4 ? nullptr : extra.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  at::parallel_for(0, n / TILE, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, n / width, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       for (int64_t r0 = 0; r0 < m; r0 += block) {
         const int mb = static_cast<int>(std::min<int64_t>(block, m - r0));
         const int8_t* xr = xq + r0 * k;
         const float* dr = dx + r0 * groups;
         const int32_t* sr = xs + r0 * groups;
-        float* yr = y + r0 * n + t * TILE;
+        float* yr = y + r0 * n + t * width;
         if (u4) {
-          pick<U4>(mb)(w + t * tile_bytes, groups, xr, dr, sr, sx + r0 * groups, k, yr, n);
+          pick<U4, U4Fn>(mb)(w + t * tile_bytes, groups, xr, dr, sx + r0 * groups, k, yr, n);
         } else {
           pick<U8>(mb)(w + t * tile_bytes, groups, xr, dr, sr, scale + t * TILE, k, yr, n);
         }
@@ -216,7 +237,7 @@ torch::Tensor u8_mm(const torch::Tensor& x, const torch::Tensor& packed, const t
 // q uint8 0..15 [n, k], d and z bf16 [n, k / 32] -> the u4 tiles (uint8, flat).
 torch::Tensor pack_u4(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& z) {
   const int64_t n = q.size(0), k = q.size(1), groups = k / GROUP;
-  TORCH_CHECK(n % TILE == 0 && k % GROUP == 0, "int8dot: u4 needs out % 16 == 0 and in % 32 == 0");
+  TORCH_CHECK(n % U4_TILE == 0 && k % GROUP == 0, "int8dot: u4 needs out % 32 == 0 and in % 32 == 0");
   auto qc = q.contiguous();
   auto dc = d.contiguous().view(torch::kInt16), zc = z.contiguous().view(torch::kInt16);
   auto out = torch::empty({(n / TILE) * groups * U4_GROUP_BYTES}, torch::kUInt8);
@@ -225,9 +246,9 @@ torch::Tensor pack_u4(const torch::Tensor& q, const torch::Tensor& d, const torc
   const int16_t* zs = zc.data_ptr<int16_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, n / TILE, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
+    for (int64_t t = lo; t < hi; ++t) {  // a 16-column half: tile t / 2, half t % 2
       for (int64_t g = 0; g < groups; ++g) {
-        uint8_t* p = dst + (t * groups + g) * U4_GROUP_BYTES;
+        uint8_t* p = dst + (((t / 2) * groups + g) * 2 + t % 2) * U4_GROUP_BYTES;
         for (int c = 0; c < 4; ++c)
           for (int j = 0; j < TILE; ++j)
             for (int b = 0; b < 4; ++b) {
