@@ -32,6 +32,7 @@ GROUP = 32  # activations share one int8 scale per 32 inputs
 TILE = 16  # output columns per packed u8 tile
 U4_TILE = 32  # per packed u4 tile (two 16-column halves)
 BLOCK = 4  # rows that share one pass over a tile (1..8; the accumulators live in registers)
+_CAUSAL = torch.empty(0, dtype=torch.bool)  # "no mask" to attend_rows: one tensor, not one per layer and token
 
 
 def missing_flags() -> list[str]:
@@ -92,11 +93,6 @@ def unavailable_reason() -> str | None:
     return _build()[1]
 
 
-def fits(shape: tuple[int, int]) -> bool:
-    """Whether an [out, in] matrix packs into tiles: out % 16 == 0 and in % 32 == 0."""
-    return shape[0] % TILE == 0 and shape[1] % GROUP == 0
-
-
 def _ext() -> ModuleType:
     module, reason = _build()
     if module is None:
@@ -143,15 +139,13 @@ def attend_rows(
     rows' positions), ``keys``/``values`` float32 [kv_heads, capacity, d] (one layer's cache; the
     rows' rotated keys and values are written at ``start``..``start + n``), ``mask`` bool
     [n, start + n] or None (causal). Returns float32 [n, heads * d]."""
-    empty = torch.empty(0, dtype=torch.bool)
-    return _ext().attend_rows(qkv, cos, sin, keys, values, start, empty if mask is None else mask, heads, kv_heads)
+    return _ext().attend_rows(qkv, cos, sin, keys, values, start, _CAUSAL if mask is None else mask, heads, kv_heads)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's own rounding of ``x`` float32 [n, in]: (xq int8 [n, in], scale float32
     [n, in / 32], sum of xq int32 [n, in / 32]); exposed for the reference tests."""
-    xq, dx, xs = _ext().quantize_activations(x)
-    return xq, dx, xs
+    return tuple(_ext().quantize_activations(x))
 
 
 def reference_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,9 +160,8 @@ def reference_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def unpack_u4(packed: torch.Tensor, out: int, n_in: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack_u4` (plain torch, no kernel): (q uint8 [out, in], scale and zero
     bf16 [out, in / 32]) for the first ``out`` columns of the tiles."""
-    halves, groups = -(-out // U4_TILE) * 2, n_in // GROUP
-    t = packed.view(halves // 2, groups, 2, 320).transpose(1, 2).reshape(halves, groups, 320)
-    tiles = halves
+    tiles, groups = -(-out // U4_TILE) * 2, n_in // GROUP  # 16-column halves
+    t = packed.view(tiles // 2, groups, 2, 320).transpose(1, 2).reshape(tiles, groups, 320)
     nib = t[:, :, :256].reshape(tiles, groups, 4, TILE, 4)  # [tile, group, chunk, column, byte]
     lo, hi = nib & 0x0F, nib >> 4
     q = torch.stack((lo, hi), dim=3)  # [tile, group, chunk, half, column, byte]: input 8c + 4h + b

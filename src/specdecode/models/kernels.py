@@ -94,11 +94,11 @@ def _cache_file() -> Path:
 EVICT_BYTES = 64 << 20  # more than any x86 L3 we run on: weights come from memory, as in a real step
 
 
-def _time_call(fn: Callable[[], object]) -> float:
-    """Best of ``REPEATS`` calls, each after the caches were overwritten: a model's matrices do not
-    stay cached between two uses, so a warm-cache timing would price a second pass over the same
-    weights as nearly free and split rows into calls that each stream the matrix again."""
-    evict = torch.empty(EVICT_BYTES // 4)
+def _time_call(fn: Callable[[], object], evict: torch.Tensor) -> float:
+    """Best of ``REPEATS`` calls, each after ``evict`` (larger than the caches) was overwritten: a
+    model's matrices do not stay cached between two uses, so a warm-cache timing would price a
+    second pass over the same weights as nearly free and split rows into calls that each stream
+    the matrix again."""
     fn()  # warm: first calls allocate
     best = float("inf")
     for _ in range(REPEATS):
@@ -118,7 +118,8 @@ def measure(name: str, call: Callable[[torch.Tensor], torch.Tensor], n_in: int, 
         cached = {}
     if name in cached:
         return RowPlan(tuple((int(c), float(ms)) for c, ms in cached[name]))
-    costs = tuple((c, _time_call(lambda c=c: call(torch.randn(c, n_in).to(dtype)))) for c in CHUNKS)
+    evict = torch.empty(EVICT_BYTES // 4)
+    costs = tuple((c, _time_call(lambda c=c: call(torch.randn(c, n_in).to(dtype)), evict)) for c in CHUNKS)
     cached[name] = [list(c) for c in costs]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -571,6 +571,8 @@ class NativeCausalLM:
         self.quant = quant  # "int8" / "int4" / "w8a8" / "w4a8" when quantized (dtype: their activations)
         self.vocab_size = int(weights.embed.shape[0])
         self.max_length = config.max_length
+        if row_exact is None:
+            row_exact = dtype == torch.bfloat16 or quant is not None
         self._dims = _Dims(
             config.hidden_size,
             config.num_heads,
@@ -579,10 +581,9 @@ class NativeCausalLM:
             config.intermediate_size,
             config.rms_norm_eps,
             dtype,
-            (dtype == torch.bfloat16 or quant is not None) if row_exact is None else row_exact,
+            row_exact,
+            fused=row_exact and config.head_dim % 16 == 0 and int8dot.available(),
         )
-        fused = self._dims.row_exact and config.head_dim % 16 == 0 and int8dot.available()
-        self._dims = dataclasses.replace(self._dims, fused=fused)
         self._inv_freq = inv_freq(config.rope, config.head_dim)
         self._decoder: Callable[..., torch.Tensor] = _decoder
 
