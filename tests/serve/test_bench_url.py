@@ -51,7 +51,9 @@ def test_every_request_completes_over_http_with_its_tokens_counted(url_run):
         assert c["new_tokens"] == 4 * 10  # continuous usage counts every token, speculated ones too
         assert c["ttft_ms"]["p50"] > 0 and c["goodput_req_s"] is not None
         if c["method"] != "none":
-            assert c["target_calls"] > 0 and c["drafted_tokens"] > 0
+            assert c["target_calls"] > 0
+        if c["kind"] == "fixed" and c["method"] != "none":  # auto drafts only where its measured costs pay
+            assert c["drafted_tokens"] > 0
     assert json.loads(stdout.strip().splitlines()[-1])["command"] == "bench-serve"
 
 
