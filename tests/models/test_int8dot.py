@@ -1,5 +1,7 @@
-"""The int8dot kernels (AVX-512 VNNI) against plain torch: activation rounding, packing, the two
-matmuls over 1..19 rows (row by row bitwise equal to the whole call), and cutting a head's rows."""
+"""The int8dot kernels (AVX-512 VNNI or AVX2, whichever this machine builds) against plain torch:
+activation rounding, packing, the two matmuls over 1..19 rows (row by row bitwise equal to the
+whole call), sums at the integer limits, cutting a head's rows, and, on a machine with both
+instruction sets, the two builds bitwise equal."""
 
 from __future__ import annotations
 
@@ -201,3 +203,67 @@ def test_row_blocks_change_no_bit():
     want = int8dot.u4_mm(x, packed, shape)
     for block in range(1, 9):
         assert torch.equal(int8dot.u4_mm(x, packed, shape, block), want)
+
+
+def test_sums_at_the_integer_limits_are_exact():
+    """The largest products either instruction set sums: 4-bit weights 15 (and 0) and 8-bit
+    weights -128 and 127 times activations all +-127, so AVX2's int16 pair sums sit at their
+    bound (8 * 2 * 15 * 127 = 30480 per 4-bit group, 2 * 128 * 127 per 8-bit pair) and must not
+    saturate."""
+    n_in = 256
+    x = torch.ones(4, n_in)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # alternating signs
+    x[3] = torch.where(torch.arange(n_in) % 3 == 0, -1.0, 1.0)
+    q = torch.full((64, n_in), 15, dtype=torch.uint8)
+    q[32:] = 0
+    q[16:32, ::2] = 0
+    scale = torch.full((64, n_in // 32), 0.5, dtype=torch.bfloat16)
+    zero = torch.full((64, n_in // 32), 0.25, dtype=torch.bfloat16)
+    y = int8dot.u4_mm(x, int8dot.pack_u4(q, scale, zero), (64, n_in))
+    assert _rel(y, _rounded(x) @ quant.dequantize_int4(q, scale, zero).double().t()) < RTOL
+    q8 = torch.full((32, n_in), 127, dtype=torch.int8)
+    q8[:16] = -128
+    q8[8:16, 1::2] = 127
+    s8 = torch.full((32,), 0.01)
+    y8 = int8dot.u8_mm(x, int8dot.pack_u8(q8), s8, (32, n_in))
+    assert _rel(y8, _rounded(x) @ (q8.double() * s8.double()[:, None]).t()) < RTOL
+
+
+def test_the_two_instruction_sets_give_bitwise_the_same_products():
+    """Where the CPU has AVX-512 VNNI, the AVX2 build must give bitwise what it gives: the
+    integer sums are exact and the float steps are the same instructions in the same order."""
+    if int8dot.isa() != "avx512":
+        pytest.skip(f"needs an AVX-512 VNNI machine to build both (this one builds {int8dot.isa()})")
+    other, reason = int8dot._build_for("avx2")
+    assert other is not None, reason
+    best = int8dot._ext()
+    x = torch.randn(9, 1536, generator=_gen(11))
+    q, scale, zero = _int4(64, 1536, seed=12)
+    packed = best.pack_u4(q, scale, zero)
+    assert torch.equal(packed, other.pack_u4(q, scale, zero))
+    for rows in (1, 4, 9):
+        xr = x[:rows].contiguous()
+        assert torch.equal(best.u4_mm(xr, packed, 64, 1536, 4), other.u4_mm(xr, packed, 64, 1536, 2))
+    q8 = torch.randint(-128, 128, (32, 1536), generator=_gen(13), dtype=torch.int8)
+    p8, s8 = best.pack_u8(q8), torch.rand(32, generator=_gen(14))
+    assert torch.equal(best.u8_mm(x, p8, s8, 32, 1536, 4), other.u8_mm(x, p8, s8, 32, 1536, 3))
+    assert all(torch.equal(a, b) for a, b in zip(best.quantize_activations(x), other.quantize_activations(x)))
+
+
+def test_rms_norm_and_silu_mul_match_torch_and_rows_are_independent():
+    """The two fused elementwise ops against torch's (float32 rounding only: 1e-6 relative),
+    row by row bitwise equal to the whole call, including huge and tiny gate values."""
+    x = torch.randn(11, 576, generator=_gen(21)) * torch.logspace(-2, 2, 576)
+    w = torch.rand(576, generator=_gen(22)) + 0.5
+    y = int8dot.rms_norm(x, w, 1e-5)
+    assert _rel(y, torch.nn.functional.rms_norm(x.double(), (576,), w.double(), 1e-5)) < 1e-6
+    gu = torch.randn(11, 2 * 1536, generator=_gen(23)) * 4
+    gu[0, :8] = torch.tensor([-200.0, -88.0, -30.0, 0.0, 1e-30, 30.0, 88.0, 200.0])
+    z = int8dot.silu_mul(gu)
+    gate, up = gu.double().split(1536, dim=-1)
+    assert _rel(z, torch.nn.functional.silu(gate) * up) < 1e-6
+    assert torch.isfinite(z).all()
+    for i in (0, 5, 10):
+        assert torch.equal(int8dot.rms_norm(x[i : i + 1].contiguous(), w, 1e-5), y[i : i + 1])
+        assert torch.equal(int8dot.silu_mul(gu[i : i + 1].contiguous()), z[i : i + 1])

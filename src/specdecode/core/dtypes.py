@@ -2,4 +2,4 @@
 
 FLOAT_DTYPES = ("float32", "bfloat16")
 QUANT_DTYPES = ("int8", "int4", "w8a8", "w4a8")  # quantized matrices (models/quant.py)
-DTYPE_CHOICES = FLOAT_DTYPES + QUANT_DTYPES
+DTYPE_CHOICES = ("auto",) + FLOAT_DTYPES + QUANT_DTYPES  # auto: models.loading.auto_dtype

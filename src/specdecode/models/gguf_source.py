@@ -35,6 +35,19 @@ FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+def four_bit_share(path: str | Path) -> float:
+    """The share of a GGUF file's 2-D weight elements stored in 4-bit types (reads the header only)."""
+    import gguf
+
+    try:
+        tensors = [t for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2]
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
+    total = sum(int(t.n_elements) for t in tensors)
+    four = sum(int(t.n_elements) for t in tensors if t.tensor_type.name in FOUR_BIT_TYPES)
+    return four / total if total else 0.0
+
+
 def hf_name(gguf_name: str) -> str | None:
     """transformers' name of a GGUF tensor (Llama/Qwen2 layout), or None for tensors not used."""
     if gguf_name in _TOP:

@@ -1,5 +1,5 @@
-"""The integer-dot kernels of ``csrc/int8dot.cpp`` (AVX-512 VNNI), and the row-by-row attention
-of ``csrc/attention.cpp`` built into the same extension, once per machine.
+"""The integer-dot kernels of ``csrc/int8dot.cpp`` (AVX-512 VNNI, or AVX2 + FMA), and the
+row-by-row attention of ``csrc/attention.cpp`` built into the same extension, once per machine.
 
 torch's own CPU int4/int8 kernels turn each weight back into a float before multiplying, so a
 call over 5 rows costs about 3x a call over 1 (BENCHMARKS.md): a k-token verify then costs what
@@ -8,9 +8,11 @@ groups of 32 instead (llama.cpp's scheme) and multiply in int32 with vpdpbusd, s
 little next to reading the weights.
 
 The extension is compiled with torch's ``cpp_extension`` (g++ and ninja) into the model cache the
-first time it is asked for (about a minute; ``make setup`` does it ahead); where the CPU lacks
-AVX-512 VNNI or the build fails, :func:`available` is False and callers fall back to torch's
-kernels, with :func:`unavailable_reason` saying why.
+first time it is asked for (about a minute; ``make kernels`` does it ahead), for the best
+instruction set this CPU has (:func:`isa`; ``SPECDECODE_INT8DOT_ISA=avx2`` forces the AVX2 build,
+to compare the two on one machine). Both give bitwise the same products. Where the CPU has
+neither or the build fails, :func:`available` is False and callers fall back to torch's kernels,
+with :func:`unavailable_reason` saying why.
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ import torch
 from specdecode.models.kernels import cpu_info
 
 SOURCES = (Path(__file__).parent / "csrc" / "int8dot.cpp", Path(__file__).parent / "csrc" / "attention.cpp")
-FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+# instruction set -> (the CPU flags it needs, the compiler flags), best first
+ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512": (
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+    ),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+}
+ISA_ENV = "SPECDECODE_INT8DOT_ISA"
 GROUP = 32  # activations share one int8 scale per 32 inputs
 TILE = 16  # output columns per packed u8 tile
 U4_TILE = 32  # per packed u4 tile (two 16-column halves)
@@ -35,17 +44,37 @@ BLOCK = 4  # rows that share one pass over a tile (1..8; the accumulators live i
 _CAUSAL = torch.empty(0, dtype=torch.bool)  # "no mask" to attend_rows: one tensor, not one per layer and token
 
 
-def missing_flags() -> list[str]:
-    """The CPU features the kernels need that this machine lacks."""
+def missing_flags(name: str = "avx2") -> list[str]:
+    """The CPU features instruction set ``name`` needs that this machine lacks."""
     flags = set(cpu_info()[1].split())
-    return [f for f in FLAGS if f not in flags]
+    return [f for f in ISAS[name][0] if f not in flags]
+
+
+def isa() -> str | None:
+    """The instruction set the kernels are built for here: the best one the CPU has, or the one
+    ``SPECDECODE_INT8DOT_ISA`` names; None where the CPU has none of them."""
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        return forced
+    return next((name for name in ISAS if not missing_flags(name)), None)
+
+
+@functools.cache  # every kernel call asks: never read /proc/cpuinfo twice
+def _build() -> tuple[ModuleType | None, str | None]:
+    name = isa()
+    if name is None:
+        return None, f"the CPU lacks {', '.join(missing_flags('avx2'))} (needs AVX2 + FMA or AVX-512 VNNI)"
+    return _build_for(name)
 
 
 @functools.cache
-def _build() -> tuple[ModuleType | None, str | None]:
-    missing = missing_flags()
+def _build_for(name: str) -> tuple[ModuleType | None, str | None]:
+    if name not in ISAS:
+        return None, f"{ISA_ENV}={name} is not one of {', '.join(ISAS)}"
+    missing = missing_flags(name)
     if missing:
-        return None, f"the CPU lacks {', '.join(missing)}"
+        return None, f"the CPU lacks {', '.join(missing)} (asked for {name})"
+    cflags = ["-O3", "-fopenmp", *ISAS[name][1]]
     try:
         from torch.utils import cpp_extension
 
@@ -53,14 +82,14 @@ def _build() -> tuple[ModuleType | None, str | None]:
 
         _ninja_on_path()
 
-        tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode())
+        tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(cflags).encode())
         tag.update(torch.__version__.encode())
-        folder = cache_root() / "ext" / f"int8dot-{tag.hexdigest()[:12]}"
+        folder = cache_root() / "ext" / f"int8dot-{name}-{tag.hexdigest()[:12]}"
         folder.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
-            name="specdecode_int8dot",
+            name=f"specdecode_int8dot_{name}",
             sources=[str(p) for p in SOURCES],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             verbose=False,
@@ -142,6 +171,17 @@ def attend_rows(
     return _ext().attend_rows(qkv, cos, sin, keys, values, start, _CAUSAL if mask is None else mask, heads, kv_heads)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of float32 ``x`` [n, h] by float32 ``weight`` [h], row by row, in one call
+    (``F.rms_norm`` runs ~10 ops on CPU; ~50 us each time on a slow host). -> float32 [n, h]."""
+    return _ext().rms_norm_rows(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused gate/up projection's float32 output [n, 2 i] -> [n, i]."""
+    return _ext().silu_mul(gate_up)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's own rounding of ``x`` float32 [n, in]: (xq int8 [n, in], scale float32
     [n, in / 32], sum of xq int32 [n, in / 32]); exposed for the reference tests."""
@@ -182,4 +222,4 @@ def unpack_u8(packed: torch.Tensor, out: int, n_in: int) -> torch.Tensor:
 
 def build_report() -> str:
     """Build now if needed (``make kernels``) and say how it went, in one line."""
-    return "int8dot kernels ready" if available() else f"int8dot kernels unavailable: {unavailable_reason()}"
+    return f"int8dot kernels ready ({isa()})" if available() else f"int8dot kernels unavailable: {unavailable_reason()}"

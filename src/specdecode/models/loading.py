@@ -162,12 +162,29 @@ def load_tokenizer(model_dir: Path) -> Any:
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {exc}") from None
 
 
+def auto_dtype(model_dir: Path, backend: str = "auto") -> str:
+    """What ``dtype="auto"`` loads: ``w4a8`` for a GGUF whose matrices are mostly 4-bit already,
+    where the int8dot kernels build on this CPU (the fastest path measured here, and its weights
+    are the file's own 4-bit values; the int8 activations add ~0.002 nats of KL against float32,
+    BENCHMARKS.md); else float32, whose sums are the reference."""
+    from specdecode.models import int8dot
+    from specdecode.models.gguf_source import four_bit_share
+
+    gguf = gguf_source(model_dir)
+    if backend == "transformers" or gguf is None or four_bit_share(gguf) < 0.5 or not int8dot.available():
+        return "float32"
+    return "w4a8"
+
+
 def load_model(path: str | os.PathLike | None = None, *, dtype: str = "float32", backend: str = "auto") -> LoadedModel:
     """Load a target or draft: None (embedded default), a transformers folder or a GGUF file.
 
-    ``dtype``: float32, bfloat16, or weight-only int8 / int4 (native backend only).
+    ``dtype``: float32, bfloat16, weight-only int8 / int4, w4a8 / w8a8 (native backend only), or
+    "auto" (:func:`auto_dtype`; the loaded model's ``dtype`` says what it chose).
     ``backend``: "auto" (native Llama-family path when supported), "native" or "transformers".
     """
+    if dtype == "auto":
+        dtype = auto_dtype(resolve_model_dir(path, weights=False), backend)
     if dtype not in DTYPES and dtype not in QUANT_DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPE_CHOICES)}")
     if backend not in ("auto", "native", "transformers"):

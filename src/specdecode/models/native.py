@@ -347,7 +347,7 @@ Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, d: _Dims) -> torch.Tensor:
     """RMSNorm of the float32 stream, handed to the next matmul in the matrices' dtype."""
-    y = F.rms_norm(x, (d.hidden,), weight, d.eps)
+    y = int8dot.rms_norm(x.contiguous(), weight, d.eps) if d.fused else F.rms_norm(x, (d.hidden,), weight, d.eps)
     return y if y.dtype == d.dtype else y.to(d.dtype)
 
 
@@ -472,7 +472,10 @@ def _attention_by_row(
 
 
 def _mlp(x: torch.Tensor, w: LayerWeights, lin: Linear, d: _Dims) -> torch.Tensor:
-    gate, up = lin(_norm(x, w.ln2, d), w.wgu, w.bgu).split(d.intermediate, dim=-1)
+    gate_up = lin(_norm(x, w.ln2, d), w.wgu, w.bgu)
+    if d.fused and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+        return lin(int8dot.silu_mul(gate_up), w.wd, w.bd)  # one call for split, silu and mul
+    gate, up = gate_up.split(d.intermediate, dim=-1)
     return lin(F.silu(gate) * up, w.wd, w.bd)
 
 

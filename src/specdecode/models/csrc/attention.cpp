@@ -1,4 +1,5 @@
-// Attention for new rows over one sequence's float32 cache, each query row on its own (AVX-512):
+// Attention for new rows over one sequence's float32 cache, each query row on its own (AVX-512,
+// or AVX2 where the extension is built without it):
 // RoPE on q and k, k and v stored into the cache, then for every (row, head) softmax(q K / sqrt(d)) V
 // over exactly the positions the row may see. One row's result never depends on the other rows
 // of the call (the same instructions in the same order), so a k-token verify is bitwise a
@@ -13,6 +14,34 @@
 #include <vector>
 
 namespace {
+
+// exp on 8 lanes (both builds: -mavx512f implies AVX2 and FMA), the same method as exp16 below,
+// for x in [-87, 88].
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  // 2^n for n in [-126, 127], built in the exponent field
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+#if defined(__AVX512F__)
 
 // exp on 16 lanes: 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], a degree-6 polynomial
 // for 2^f (relative error ~2e-7, below float32 softmax's own rounding).
@@ -37,6 +66,71 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// score[0..m) <- exp(score - top); returns their sum
+inline float exp_sum(float* score, int64_t m, float top) {
+  __m512 total = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= m; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(score + t), _mm512_set1_ps(top)));
+    _mm512_storeu_ps(score + t, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (t < m) {
+    const __mmask16 left = static_cast<__mmask16>((1u << (m - t)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(left, score + t), _mm512_set1_ps(top)));
+    _mm512_mask_storeu_ps(score + t, left, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(left, e));
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// o[0..d) <- inv * sum_t score[t] * v[seen[t]]
+inline void mix(const float* score, const int64_t* seen, int64_t m, const float* v, int64_t d, float inv, float* o) {
+  for (int64_t j = 0; j < d; j += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t t = 0; t < m; ++t)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(score[t]), _mm512_loadu_ps(v + seen[t] * d + j), acc);
+    _mm512_storeu_ps(o + j, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+  }
+}
+
+#else  // AVX2 + FMA: the same steps on 8 lanes
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+  return hsum(acc);
+}
+
+inline float exp_sum(float* score, int64_t m, float top) {
+  __m256 total = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= m; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(score + t), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(score + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  if (t < m) {
+    const __m256i left = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(m - t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(score + t, left), _mm256_set1_ps(top))),
+                                   _mm256_castsi256_ps(left));
+    _mm256_maskstore_ps(score + t, left, e);
+    total = _mm256_add_ps(total, e);
+  }
+  return hsum(total);
+}
+
+inline void mix(const float* score, const int64_t* seen, int64_t m, const float* v, int64_t d, float inv, float* o) {
+  for (int64_t j = 0; j < d; j += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t t = 0; t < m; ++t)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(score[t]), _mm256_loadu_ps(v + seen[t] * d + j), acc);
+    _mm256_storeu_ps(o + j, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+  }
+}
+
+#endif
+
 // rotate-half RoPE of one head vector: y = x * cos + [-x2, x1] * sin
 inline void rope(const float* x, const float* c, const float* s, float* y, int64_t d) {
   const int64_t half = d / 2;
@@ -47,6 +141,52 @@ inline void rope(const float* x, const float* c, const float* s, float* y, int64
 }
 
 }  // namespace
+
+// x [n, h] float32, weight [h] float32 -> x / sqrt(mean(x^2) + eps) * weight, row by row (one
+// call for what F.rms_norm runs as ~10 ops on CPU).
+torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "rms_norm_rows: x must be contiguous float32 [n, h]");
+  const int64_t n = x.size(0), h = x.size(1);
+  TORCH_CHECK(h % 8 == 0 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == h,
+              "rms_norm_rows: weight must be contiguous float32 [h], h a multiple of 8");
+  auto out = torch::empty({n, h}, torch::kFloat32);
+  const float* src = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float* row = src + i * h;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t j = 0; j < h; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(row + j), _mm256_loadu_ps(row + j), acc);
+      const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / static_cast<float>(h) + static_cast<float>(eps)));
+      for (int64_t j = 0; j < h; j += 8)
+        _mm256_storeu_ps(y + i * h + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(row + j), inv), _mm256_loadu_ps(w + j)));
+    }
+  });
+  return out;
+}
+
+// gate_up [n, 2 i] float32 (the fused gate and up projections) -> silu(gate) * up [n, i].
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kFloat32 && gate_up.is_contiguous() &&
+                  gate_up.size(1) % 16 == 0,
+              "silu_mul: gate_up must be contiguous float32 [n, 2 i], i a multiple of 8");
+  const int64_t n = gate_up.size(0), inner = gate_up.size(1) / 2;
+  auto out = torch::empty({n, inner}, torch::kFloat32);
+  const float* src = gate_up.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  at::parallel_for(0, n * inner / 8, 256, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t i = u * 8 / inner, j = u * 8 % inner;
+      const __m256 g = _mm256_loadu_ps(src + i * 2 * inner + j), up = _mm256_loadu_ps(src + i * 2 * inner + inner + j);
+      const __m256 e = exp8(_mm256_sub_ps(zero, g));  // silu(g) = g / (1 + exp(-g))
+      _mm256_storeu_ps(y + i * inner + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), up));
+    }
+  });
+  return out;
+}
 
 // qkv [n, (hq + 2 hkv) * d] float32 (the projection's rows), cos/sin [n, d], keys/values
 // [hkv, capacity, d] float32 (one layer of one sequence's cache), rows written at start..start+n;
@@ -104,27 +244,8 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
         score[t] = dot(qv, kg + seen[t] * d, d) * scale;
         top = std::max(top, score[t]);
       }
-      __m512 total = _mm512_setzero_ps();
-      int64_t t = 0;
-      for (; t + 16 <= m; t += 16) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(score.data() + t), _mm512_set1_ps(top)));
-        _mm512_storeu_ps(score.data() + t, e);
-        total = _mm512_add_ps(total, e);
-      }
-      if (t < m) {
-        const __mmask16 left = static_cast<__mmask16>((1u << (m - t)) - 1);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(left, score.data() + t), _mm512_set1_ps(top)));
-        _mm512_mask_storeu_ps(score.data() + t, left, e);
-        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(left, e));
-      }
-      const float inv = 1.0f / _mm512_reduce_add_ps(total);
-      float* o = y + i * hq * d + h * d;
-      for (int64_t j = 0; j < d; j += 16) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t t2 = 0; t2 < m; ++t2)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(score[t2]), _mm512_loadu_ps(vg + seen[t2] * d + j), acc);
-        _mm512_storeu_ps(o + j, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
-      }
+      const float inv = 1.0f / exp_sum(score.data(), m, top);
+      mix(score.data(), seen.data(), m, vg, d, inv, y + i * hq * d + h * d);
     }
   });
   return out;

@@ -1,7 +1,15 @@
-// Integer-dot matmuls for quantized weights on AVX-512 VNNI (what llama.cpp's CPU path does, in
-// a layout made for several rows at once): activations are rounded to int8 in groups of 32 along
-// the input (one fp32 scale per row and group), multiplied with 4- or 8-bit weights by
-// vpdpbusd (64 multiply-adds per instruction, exact in int32), and scaled to fp32 once per group.
+// Integer-dot matmuls for quantized weights on x86 (what llama.cpp's CPU path does, in a layout
+// made for several rows at once): activations are rounded to int8 in groups of 32 along the
+// input (one fp32 scale per row and group), multiplied with 4- or 8-bit weights exactly in
+// integers, and scaled to fp32 once per group. Two instruction sets, chosen when the extension
+// is built for the machine (models/int8dot.py):
+// - AVX-512 VNNI: vpdpbusd, 64 multiply-adds per instruction into int32.
+// - AVX2: vpmaddubsw (u8 x s8 pairs into int16) and vpmaddwd into int32. No sum can saturate:
+//   a 4-bit weight times an int8 is at most 15 * 127, so a group's 16 products per int16 lane
+//   stay under 2^15; 8-bit weights go through their absolute value with the sign moved onto the
+//   activation (at most 2 * 128 * 127 per pair), as llama.cpp does.
+// The integer sums are exact and the float steps after them are the same instructions in the
+// same order on both, so both sets give bitwise the same output.
 //
 // Contract (tested against a plain reference in tests/models/test_int8dot.py):
 // - Each output row depends only on its own input row: rows are quantized separately, every
@@ -15,7 +23,7 @@
 //   u4: per group, for each 16-column half: [256 bytes of nibbles][16 bf16 scales d][16 bf16
 //       zeros z], w = (q - 8) * d + z. Byte 4j + b of 64-byte chunk c holds column j's q at
 //       input 8c + b (low nibble) and at 8c + 4 + b (high nibble): one chunk unpacks to two
-//       vpdpbusd operands.
+//       multiply operands.
 //   u8: [512 bytes: q + 128 as u8, byte 4j + b of chunk c = column j at input 4c + b]; one fp32
 //       scale per column in a separate vector, w = q * s.
 #include <torch/extension.h>
@@ -24,6 +32,12 @@
 
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SPECDECODE_AVX512 1
+#else
+#define SPECDECODE_AVX512 0
+#endif
 
 namespace {
 
@@ -39,6 +53,8 @@ struct QuantRows {
   // xs int32 [m, g] (the sum of the group's xq), sx fp32 [m, g] (dx * xs).
   torch::Tensor xq, dx, xs, sx;
 };
+
+#if SPECDECODE_AVX512
 
 inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
 
@@ -151,6 +167,162 @@ void u8_tile(const uint8_t* w, int64_t groups, const int8_t* xq, const float* dx
   const __m512 s = _mm512_loadu_ps(scale);
   for (int r = 0; r < MB; ++r) _mm512_storeu_ps(out + r * n, _mm512_mul_ps(acc[r], s));
 }
+
+#else  // AVX2
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+QuantRows quantize_rows(const torch::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), g = k / GROUP;
+  auto xq = torch::empty({m, k}, torch::kInt8);
+  auto dx = torch::empty({m, g}, torch::kFloat32);
+  auto xs = torch::empty({m, g}, torch::kInt32);
+  auto sx = torch::empty({m, g}, torch::kFloat32);
+  const float* src = x.data_ptr<float>();
+  int8_t* q = xq.data_ptr<int8_t>();
+  float* d = dx.data_ptr<float>();
+  int32_t* s = xs.data_ptr<int32_t>();
+  float* ds = sx.data_ptr<float>();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
+  for (int64_t i = 0; i < m * g; ++i) {
+    const float* p = src + i * GROUP;
+    __m256 v[4];
+    __m256 top = _mm256_setzero_ps();
+    for (int t = 0; t < 4; ++t) {
+      v[t] = _mm256_loadu_ps(p + 8 * t);
+      top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[t]));
+    }
+    const float amax = hmax8(top);
+    const float scale = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i r[4];
+    for (int t = 0; t < 4; ++t) r[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv));  // nearest even
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * GROUP), _mm256_permutevar8x32_epi32(packed, order));
+    const int32_t sum = hsum8(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
+    d[i] = scale;
+    s[i] = sum;
+    ds[i] = scale * static_cast<float>(sum);
+  }
+  return {xq, dx, xs, sx};
+}
+
+constexpr int PREFETCH_GROUPS = 4;
+
+inline __m256 load_bf16(const uint8_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256i bcast32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// One u4 tile (32 columns: four 8-column registers) for MB rows, in one pass over its bytes in
+// memory order (what the hardware prefetcher streams best): group by group, half by half, each
+// half's int16 sums folded into the float accumulators before the next (16 registers hold
+// MB x 2 sums, the unpacked weights and the broadcasts). A group's 8 products per int16 lane
+// pair stay below 2^15 (see the top), so they add in int16 and widen once per group.
+template <int MB>
+void u4_tile(const uint8_t* w, int64_t groups, const int8_t* xq, const float* dx, const float* sx, int64_t k,
+             float* out, int64_t n) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][4];
+  for (int r = 0; r < MB; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int half = 0; half < 2; ++half, w += U4_GROUP_BYTES) {
+      for (int line = 0; line < U4_GROUP_BYTES; line += 64)  // a few groups ahead: more reads in flight
+        _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_GROUPS * 2 * U4_GROUP_BYTES + line), _MM_HINT_T0);
+      __m256i isum[MB][2];
+      for (int r = 0; r < MB; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64 + h * 32));
+          lo[h] = _mm256_and_si256(packed, low);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        }
+        for (int r = 0; r < MB; ++r) {
+          const int8_t* a = xq + r * k + g * GROUP + c * 8;
+          const __m256i first = bcast32(a), second = bcast32(a + 4);
+          for (int h = 0; h < 2; ++h) {
+            isum[r][h] = _mm256_add_epi16(isum[r][h], _mm256_maddubs_epi16(lo[h], first));
+            isum[r][h] = _mm256_add_epi16(isum[r][h], _mm256_maddubs_epi16(hi[h], second));
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = load_bf16(w + 256 + h * 16);
+        const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), d, load_bf16(w + 288 + h * 16));  // z - 8 d
+        for (int r = 0; r < MB; ++r) {
+          const int64_t at = r * groups + g;
+          const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(dx[at]));
+          const __m256i total = _mm256_madd_epi16(isum[r][h], ones);
+          __m256& sum = acc[r][2 * half + h];
+          sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scaled, sum);
+          sum = _mm256_fmadd_ps(offset, _mm256_set1_ps(sx[at]), sum);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MB; ++r)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + r * n + j * 8, acc[r][j]);
+}
+
+template <int MB>
+void u8_tile(const uint8_t* w, int64_t groups, const int8_t* xq, const float* dx, const int32_t* xs,
+             const float* scale, int64_t k, float* out, int64_t n) {
+  (void)xs;  // the sums below are of q itself, not q + 128
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][2];
+  for (int r = 0; r < MB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, w += U8_GROUP_BYTES) {
+    __m256i isum[MB][2];
+    for (int r = 0; r < MB; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      __m256i q[2], mag[2];
+      for (int h = 0; h < 2; ++h) {
+        q[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64 + h * 32)), flip);
+        mag[h] = _mm256_abs_epi8(q[h]);
+      }
+      for (int r = 0; r < MB; ++r) {
+        const __m256i a = bcast32(xq + r * k + g * GROUP + c * 4);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i pairs = _mm256_maddubs_epi16(mag[h], _mm256_sign_epi8(a, q[h]));
+          isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int r = 0; r < MB; ++r) {
+      const __m256 dr = _mm256_set1_ps(dx[r * groups + g]);
+      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), dr, acc[r][h]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __m256 s = _mm256_loadu_ps(scale + h * 8);
+    for (int r = 0; r < MB; ++r) _mm256_storeu_ps(out + r * n + h * 8, _mm256_mul_ps(acc[r][h], s));
+  }
+}
+
+#endif
 
 using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const int32_t*, const float*,
                         int64_t, float*, int64_t);
@@ -300,6 +472,8 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
 torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                           torch::Tensor keys, torch::Tensor values, int64_t start, const torch::Tensor& mask,
                           int64_t hq, int64_t hkv);
+torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("u4_mm", &u4_mm, "x fp32 [m, k] by packed 4-bit weights [n, k] -> fp32 [m, n]");
@@ -307,5 +481,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_u4", &pack_u4, "4-bit weights, scales and zeros -> u4 tiles");
   m.def("pack_u8", &pack_u8, "int8 weights -> u8 tiles");
   m.def("attend_rows", &attend_rows, "RoPE, cache write and row-by-row attention over one sequence's cache");
+  m.def("rms_norm_rows", &rms_norm_rows, "x / sqrt(mean(x^2) + eps) * weight, row by row");
+  m.def("silu_mul", &silu_mul, "gate_up [n, 2 i] -> silu(gate) * up [n, i]");
   m.def("quantize_activations", &quantize_activations, "x fp32 [m, k] -> (xq int8, dx fp32, xs int32)");
 }
