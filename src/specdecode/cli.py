@@ -49,7 +49,12 @@ def _probability(text: str) -> float:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="transformers folder or .gguf file (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="auto (default): w4a8 for a 4-bit GGUF where this CPU runs the int8dot kernels, else float32",
+    )
     p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help="a --draft model's (default: --dtype)")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
@@ -163,7 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--target", default=None, help="a model name (specdecode models list) or path (default: the embedded one)"
     )
     demo.add_argument("--draft", default=None, help="the draft model of --method draft (a name or a path)")
-    demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+    demo.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="auto (default): w4a8 for a 4-bit GGUF where this CPU runs the int8dot kernels, else float32",
+    )
     demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
     _conformance_parser(sub)
     sub.add_parser("bench-decode", help="plain decode speed vs transformers (see --help)", add_help=False)

@@ -252,6 +252,24 @@ def test_real_model_quantized_speculation_equals_plain_alone_and_in_a_batch(kind
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["medusa", "eagle", "hybrid"])
+def test_trained_drafters_run_on_a_quantized_target_and_change_no_token(method):
+    """The shipped heads take the target's features; on a quantized target their float matrices
+    go through F.linear, not the target's kernel (which once crashed on oneDNN-packed copies)."""
+    from real_model import PROMPTS, chat_ids, default_target
+    from specdecode.api import make_proposer
+    from specdecode.engine import Decoder, GenerationConfig
+
+    loaded = default_target(dtype="w4a8" if int8dot.available() else "int4")
+    eos, cfg = loaded.eos_token_ids, GenerationConfig(max_new_tokens=24)
+    ids = chat_ids(loaded, PROMPTS[1])
+    plain = Decoder(loaded.model, None, eos_token_ids=eos).generate(ids, cfg)
+    spec = Decoder(loaded.model, make_proposer(method, loaded), k=3, eos_token_ids=eos).generate(ids, cfg)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats["accepted_tokens"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_real_model_quantized_logits_close_to_float(kind):
     """Stated tolerance, against the float32 model of the same file, on the last prompt position:

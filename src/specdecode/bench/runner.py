@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft model for method 'draft'")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="auto (default): w4a8 for a 4-bit GGUF where this CPU runs the int8dot kernels, else float32",
+    )
     p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help="the --draft model's (default: --dtype)")
     p.add_argument(
         "--draft-vocab",
@@ -385,12 +390,15 @@ def hf_generate(
 
 
 # -- the store ---------------------------------------------------------------------------------
-def fingerprint(opts: Options, target_source: str, draft_source: str | None, hybrid_drafter: str | None = None) -> str:
-    """Settings a stored result depends on besides its cell and prompt."""
+def fingerprint(
+    opts: Options, target_source: str, draft_source: str | None, hybrid_drafter: str | None = None, dtype: str = ""
+) -> str:
+    """Settings a stored result depends on besides its cell and prompt (``dtype``: what the
+    target loaded as, when ``opts.dtype`` is auto)."""
     spec = {
         "target": target_source,
         "draft": draft_source,
-        "dtype": opts.dtype,
+        "dtype": dtype or opts.dtype,
         "draft_dtype": opts.draft_dtype,
         "backend": opts.backend,
         "max_new_tokens": opts.max_new_tokens,
@@ -508,8 +516,8 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         ),
         None,
     )
-    fp = fingerprint(opts, target.source, draft.source if draft else None, hybrid)
-    hf_model = _hf_model(target, opts.dtype) if any(c.method == "hf" for c in cells) else None
+    fp = fingerprint(opts, target.source, draft.source if draft else None, hybrid, target.dtype)
+    hf_model = _hf_model(target, target.dtype) if any(c.method == "hf" for c in cells) else None
 
     plain = gens[("none", 0)]
     k_fixed = [k for k in opts.ks if isinstance(k, int)]
@@ -570,7 +578,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "target": target.source,
             "draft": draft.source if draft else None,
             "draft_name": opts.draft if draft else None,  # as given: a catalog name travels, a path does not
-            "dtype": opts.dtype,
+            "dtype": target.dtype,  # as loaded (auto resolved)
             "draft_dtype": opts.draft_dtype,
             "draft_vocab": opts.draft_vocab,
             "backend": getattr(target.model, "backend", opts.backend),

@@ -101,7 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workload", default=None, help=f"JSONL file (default: {default_workload_path()})")
     p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="auto (default): w4a8 for a 4-bit GGUF where this CPU runs the int8dot kernels, else float32",
+    )
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", default=None, help="torch CPU threads (default: free cores; 1 with --quick)")
     p.add_argument(
@@ -861,7 +866,7 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "config": {
                 "workload": str(Path(opts.workload).resolve()) if opts.workload else str(default_workload_path()),
                 "target": target.source,
-                "dtype": opts.dtype,
+                "dtype": target.dtype,  # as loaded (auto resolved)
                 "backend": getattr(target.model, "backend", opts.backend),
                 "load_points": [p.to_dict() for p in opts.points],
                 "temperatures": opts.temperatures,

@@ -159,6 +159,13 @@ class Weights:
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as ``embed`` when tied, unless packed
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
 
+    @property
+    def prepacked(self) -> bool:
+        """Whether ``linear`` takes matrices in oneDNN's blocked layout (:func:`pack_weights`), so
+        a drafter's float matrices must be reordered the same way to go through it. A quantized
+        model's ``linear`` is not: it takes plain float matrices as they are."""
+        return self.linear is _mkldnn_linear
+
 
 def _safetensors_files(model_dir: str | Path) -> list[Path]:
     folder = Path(model_dir)

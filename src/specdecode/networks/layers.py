@@ -102,10 +102,11 @@ def rows_linear(linear, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
 def packed(target, w: LayerParams) -> tuple[LayerParams, object]:
     """Copies of a drafter layer's matrices in the native target's prepacked layout (about 2x
     faster for the few rows of a draft step), and the kernel that multiplies by them; the layer
-    unchanged with ``F.linear`` when the target is not packed. Drafting only: no gradients."""
-    lin = target.weights.linear
-    if lin is F.linear:
+    unchanged with ``F.linear`` when the target is not packed (float or quantized). Drafting only:
+    no gradients."""
+    if not target.weights.prepacked:  # plain or quantized target: its float matrices as they are
         return w, F.linear
+    lin = target.weights.linear
     pack = lambda m: None if m is None else pack_matrix(m)  # noqa: E731
     return LayerParams(
         w.ln1.detach(),

@@ -66,9 +66,9 @@ class MedusaHeads(DraftingSnapshot, nn.Module):
     def pack_for_drafting(self, target) -> None:
         """Snapshot the blocks (stacked into one matrix) and the head rows in the native target's
         prepacked layout; used under ``torch.no_grad`` until the heads are put back in training mode."""
-        lin = target.weights.linear
-        if lin is F.linear:
+        if not target.weights.prepacked:
             return
+        lin = target.weights.linear
         h = self.cfg.hidden
         stacked = self.weight.detach().reshape(self.cfg.num_heads * h, h)
         self._packed = (lin, pack_matrix(stacked), self.bias.detach().reshape(-1), pack_matrix(self.out_rows))

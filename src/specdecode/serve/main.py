@@ -68,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the draft model's logits over its N most common tokens only",
     )
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="auto (default): w4a8 for a 4-bit GGUF where this CPU runs the int8dot kernels, else float32",
+    )
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", type=_positive(int), default=None, help="torch CPU threads (default: free cores)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the model file's name)")
