@@ -97,13 +97,13 @@ print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss 
 
 
 def test_auto_dtype_picks_w4a8_for_a_four_bit_gguf_where_the_kernels_build(monkeypatch):
-    """``dtype="auto"``: the embedded file is mostly Q4_1, so w4a8 where int8dot builds, else
+    """``dtype="auto"``: the embedded file is Q4_1 and Q8_0, so w4a8 where int8dot builds, else
     float32; the transformers backend and float files always get float32."""
     from specdecode.models import int8dot, loading
-    from specdecode.models.gguf_source import four_bit_share
+    from specdecode.models.gguf_source import quantized_share
 
     folder = loading.resolve_model_dir(None, weights=False)
-    assert four_bit_share(loading.default_gguf_path()) > 0.5
+    assert quantized_share(loading.default_gguf_path()) > 0.99
     assert loading.auto_dtype(folder) == ("w4a8" if int8dot.available() else "float32")
     assert loading.auto_dtype(folder, backend="transformers") == "float32"
     monkeypatch.setattr(int8dot, "available", lambda: False)

@@ -35,8 +35,12 @@ FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def four_bit_share(path: str | Path) -> float:
-    """The share of a GGUF file's 2-D weight elements stored in 4-bit types (reads the header only)."""
+FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
+
+
+def quantized_share(path: str | Path) -> float:
+    """The share of a GGUF file's 2-D weight elements stored in quantized (not float) types,
+    4- to 8-bit alike (reads the header only)."""
     import gguf
 
     try:
@@ -44,8 +48,8 @@ def four_bit_share(path: str | Path) -> float:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
     total = sum(int(t.n_elements) for t in tensors)
-    four = sum(int(t.n_elements) for t in tensors if t.tensor_type.name in FOUR_BIT_TYPES)
-    return four / total if total else 0.0
+    quantized = sum(int(t.n_elements) for t in tensors if t.tensor_type.name not in FLOAT_TYPES)
+    return quantized / total if total else 0.0
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -163,15 +163,16 @@ def load_tokenizer(model_dir: Path) -> Any:
 
 
 def auto_dtype(model_dir: Path, backend: str = "auto") -> str:
-    """What ``dtype="auto"`` loads: ``w4a8`` for a GGUF whose matrices are mostly 4-bit already,
-    where the int8dot kernels build on this CPU (the fastest path measured here, and its weights
-    are the file's own 4-bit values; the int8 activations add ~0.002 nats of KL against float32,
-    BENCHMARKS.md); else float32, whose sums are the reference."""
+    """What ``dtype="auto"`` loads: ``w4a8`` for a GGUF whose matrices are mostly quantized already
+    (4-bit ones stay 4-bit, 5- to 8-bit ones become int8), where the int8dot kernels build on this
+    CPU: the fastest path measured here, on the file's own low-bit values, and its int8
+    activations add ~0.002 nats of KL against float32 (BENCHMARKS.md). Else float32, whose sums
+    are the reference."""
     from specdecode.models import int8dot
-    from specdecode.models.gguf_source import four_bit_share
+    from specdecode.models.gguf_source import quantized_share
 
     gguf = gguf_source(model_dir)
-    if backend == "transformers" or gguf is None or four_bit_share(gguf) < 0.5 or not int8dot.available():
+    if backend == "transformers" or gguf is None or quantized_share(gguf) < 0.5 or not int8dot.available():
         return "float32"
     return "w4a8"
 
