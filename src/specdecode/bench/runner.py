@@ -579,7 +579,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "draft": draft.source if draft else None,
             "draft_name": opts.draft if draft else None,  # as given: a catalog name travels, a path does not
             "dtype": target.dtype,  # as loaded (auto resolved)
-            "draft_dtype": opts.draft_dtype,
+            "draft_dtype": draft.dtype if draft else opts.draft_dtype,  # as loaded
             "draft_vocab": opts.draft_vocab,
             "backend": getattr(target.model, "backend", opts.backend),
             "methods": opts.methods,
