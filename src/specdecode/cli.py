@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from specdecode.core.dtypes import DTYPE_CHOICES, QUANT_DTYPES
+from specdecode.core.dtypes import DTYPE_CHOICES, DTYPE_HELP, QUANT_DTYPES
 from specdecode.errors import SpecDecodeError
 from specdecode.methods import TRAINED, method_names, method_spec
 
@@ -53,7 +53,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=DTYPE_CHOICES,
         default="auto",
-        help="auto (default): w4a8 for a 4-bit GGUF where this CPU runs the int8dot kernels, else float32",
+        help=DTYPE_HELP,
     )
     p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help="a --draft model's (default: --dtype)")
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=DTYPE_CHOICES,
         default="auto",
-        help="auto (default): w4a8 for a 4-bit GGUF where this CPU runs the int8dot kernels, else float32",
+        help=DTYPE_HELP,
     )
     demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
     _conformance_parser(sub)

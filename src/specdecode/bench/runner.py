@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.workload import HUMANEVAL, WorkItem, default_workload_path, groups_in_order, load_workload, select
-from specdecode.core.dtypes import DTYPE_CHOICES
+from specdecode.core.dtypes import DTYPE_CHOICES, DTYPE_HELP
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import CONFIDENCE_METHODS, METHODS, method_spec
 
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=DTYPE_CHOICES,
         default="auto",
-        help="auto (default): w4a8 for a 4-bit GGUF where this CPU runs the int8dot kernels, else float32",
+        help=DTYPE_HELP,
     )
     p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help="the --draft model's (default: --dtype)")
     p.add_argument(
@@ -391,15 +391,20 @@ def hf_generate(
 
 # -- the store ---------------------------------------------------------------------------------
 def fingerprint(
-    opts: Options, target_source: str, draft_source: str | None, hybrid_drafter: str | None = None, dtype: str = ""
+    opts: Options,
+    target_source: str,
+    draft_source: str | None,
+    hybrid_drafter: str | None = None,
+    dtypes: tuple[str, str | None] | None = None,
 ) -> str:
-    """Settings a stored result depends on besides its cell and prompt (``dtype``: what the
-    target loaded as, when ``opts.dtype`` is auto)."""
+    """Settings a stored result depends on besides its cell and prompt. ``dtypes``: what the
+    target and draft loaded as (``auto`` resolved), else the options as given."""
+    dtype, draft_dtype = dtypes or (opts.dtype, opts.draft_dtype)
     spec = {
         "target": target_source,
         "draft": draft_source,
-        "dtype": dtype or opts.dtype,
-        "draft_dtype": opts.draft_dtype,
+        "dtype": dtype,
+        "draft_dtype": draft_dtype,
         "backend": opts.backend,
         "max_new_tokens": opts.max_new_tokens,
         "seed": opts.seed,
@@ -516,7 +521,8 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         ),
         None,
     )
-    fp = fingerprint(opts, target.source, draft.source if draft else None, hybrid, target.dtype)
+    loaded = (target.dtype, draft.dtype if draft else opts.draft_dtype)
+    fp = fingerprint(opts, target.source, draft.source if draft else None, hybrid, loaded)
     hf_model = _hf_model(target, target.dtype) if any(c.method == "hf" for c in cells) else None
 
     plain = gens[("none", 0)]
@@ -578,8 +584,8 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "target": target.source,
             "draft": draft.source if draft else None,
             "draft_name": opts.draft if draft else None,  # as given: a catalog name travels, a path does not
-            "dtype": target.dtype,  # as loaded (auto resolved)
-            "draft_dtype": draft.dtype if draft else opts.draft_dtype,  # as loaded
+            "dtype": loaded[0],  # as loaded (auto resolved)
+            "draft_dtype": loaded[1],
             "draft_vocab": opts.draft_vocab,
             "backend": getattr(target.model, "backend", opts.backend),
             "methods": opts.methods,

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from specdecode.bench.workload import WorkItem, default_workload_path, load_workload
-from specdecode.core.dtypes import DTYPE_CHOICES
+from specdecode.core.dtypes import DTYPE_CHOICES, DTYPE_HELP
 from specdecode.engine.policy import BatchTableK
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import METHODS
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=DTYPE_CHOICES,
         default="auto",
-        help="auto (default): w4a8 for a 4-bit GGUF where this CPU runs the int8dot kernels, else float32",
+        help=DTYPE_HELP,
     )
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", default=None, help="torch CPU threads (default: free cores; 1 with --quick)")

@@ -44,7 +44,7 @@ BLOCK = 4  # rows that share one pass over a tile (1..8; the accumulators live i
 _CAUSAL = torch.empty(0, dtype=torch.bool)  # "no mask" to attend_rows: one tensor, not one per layer and token
 
 
-def missing_flags(name: str = "avx2") -> list[str]:
+def missing_flags(name: str) -> list[str]:
     """The CPU features instruction set ``name`` needs that this machine lacks."""
     flags = set(cpu_info()[1].split())
     return [f for f in ISAS[name][0] if f not in flags]

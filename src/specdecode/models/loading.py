@@ -164,17 +164,17 @@ def load_tokenizer(model_dir: Path) -> Any:
 
 def auto_dtype(model_dir: Path, backend: str = "auto") -> str:
     """What ``dtype="auto"`` loads: ``w4a8`` for a GGUF whose matrices are mostly quantized already
-    (4-bit ones stay 4-bit, 5- to 8-bit ones become int8), where the int8dot kernels build on this
-    CPU: the fastest path measured here, on the file's own low-bit values, and its int8
-    activations add ~0.002 nats of KL against float32 (BENCHMARKS.md). Else float32, whose sums
-    are the reference."""
-    from specdecode.models import int8dot
+    (4-bit ones stay 4-bit, 5- to 8-bit ones become int8), where the native backend runs it and
+    the int8dot kernels build on this CPU: the fastest path measured here, on the file's own
+    low-bit values, and its int8 activations add ~0.002 nats of KL against float32
+    (BENCHMARKS.md). Else float32, whose sums are the reference."""
+    from specdecode.models import int8dot, native
     from specdecode.models.gguf_source import quantized_share
 
     gguf = gguf_source(model_dir)
     if backend == "transformers" or gguf is None or quantized_share(gguf) < 0.5 or not int8dot.available():
         return "float32"
-    return "w4a8"
+    return "w4a8" if native.unsupported_reason(native.read_config(model_dir), model_dir) is None else "float32"
 
 
 def load_model(path: str | os.PathLike | None = None, *, dtype: str = "float32", backend: str = "auto") -> LoadedModel:
@@ -184,15 +184,15 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: str = "float32",
     "auto" (:func:`auto_dtype`; the loaded model's ``dtype`` says what it chose).
     ``backend``: "auto" (native Llama-family path when supported), "native" or "transformers".
     """
-    if dtype == "auto":
-        dtype = auto_dtype(resolve_model_dir(path, weights=False), backend)
-    if dtype not in DTYPES and dtype not in QUANT_DTYPES:
+    if dtype != "auto" and dtype not in DTYPES and dtype not in QUANT_DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPE_CHOICES)}")
     if backend not in ("auto", "native", "transformers"):
         raise ModelLoadError(f"unknown backend {backend!r}; choose auto, native or transformers")
     if dtype in QUANT_DTYPES and backend == "transformers":
         raise ModelLoadError(f"dtype {dtype} runs on the native backend only")
     model_dir = resolve_model_dir(path, weights=False)
+    if dtype == "auto":
+        dtype = auto_dtype(model_dir, backend)
     tokenizer = load_tokenizer(model_dir)
     if backend != "transformers":
         from specdecode.models import native

@@ -18,7 +18,7 @@ from typing import Any
 
 import uvicorn
 
-from specdecode.core.dtypes import DTYPE_CHOICES
+from specdecode.core.dtypes import DTYPE_CHOICES, DTYPE_HELP
 from specdecode.engine import EngineConfig
 from specdecode.errors import ConfigError
 from specdecode.methods import method_names
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=DTYPE_CHOICES,
         default="auto",
-        help="auto (default): w4a8 for a 4-bit GGUF where this CPU runs the int8dot kernels, else float32",
+        help=DTYPE_HELP,
     )
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", type=_positive(int), default=None, help="torch CPU threads (default: free cores)")

@@ -56,36 +56,17 @@ struct QuantRows {
 
 #if SPECDECODE_AVX512
 
-inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
-
-QuantRows quantize_rows(const torch::Tensor& x) {
-  const int64_t m = x.size(0), k = x.size(1), g = k / GROUP;
-  auto xq = torch::empty({m, k}, torch::kInt8);
-  auto dx = torch::empty({m, g}, torch::kFloat32);
-  auto xs = torch::empty({m, g}, torch::kInt32);
-  auto sx = torch::empty({m, g}, torch::kFloat32);
-  const float* src = x.data_ptr<float>();
-  int8_t* q = xq.data_ptr<int8_t>();
-  float* d = dx.data_ptr<float>();
-  int32_t* s = xs.data_ptr<int32_t>();
-  float* ds = sx.data_ptr<float>();
+// One group of 32 activations rounded to int8 at q; returns the group's absmax and sum of q.
+inline void round_group(const float* p, int8_t* q, float* amax, int32_t* sum) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
-  for (int64_t i = 0; i < m * g; ++i) {
-    const float* p = src + i * GROUP;
-    __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
-    const float amax = hmax(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-    const float scale = amax / 127.0f;
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // round to nearest even
-    __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * GROUP), _mm512_cvtsepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-    d[i] = scale;
-    s[i] = sum;
-    ds[i] = scale * static_cast<float>(sum);
-  }
-  return {xq, dx, xs, sx};
+  const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+  *amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+  const __m512 inv = _mm512_set1_ps(*amax > 0.0f ? 127.0f / *amax : 0.0f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // round to nearest even
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 }
 
 inline __m512 load_bf16(const uint8_t* p) {
@@ -184,40 +165,22 @@ inline int32_t hsum8(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-QuantRows quantize_rows(const torch::Tensor& x) {
-  const int64_t m = x.size(0), k = x.size(1), g = k / GROUP;
-  auto xq = torch::empty({m, k}, torch::kInt8);
-  auto dx = torch::empty({m, g}, torch::kFloat32);
-  auto xs = torch::empty({m, g}, torch::kInt32);
-  auto sx = torch::empty({m, g}, torch::kFloat32);
-  const float* src = x.data_ptr<float>();
-  int8_t* q = xq.data_ptr<int8_t>();
-  float* d = dx.data_ptr<float>();
-  int32_t* s = xs.data_ptr<int32_t>();
-  float* ds = sx.data_ptr<float>();
+inline void round_group(const float* p, int8_t* q, float* amax, int32_t* sum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
-  for (int64_t i = 0; i < m * g; ++i) {
-    const float* p = src + i * GROUP;
-    __m256 v[4];
-    __m256 top = _mm256_setzero_ps();
-    for (int t = 0; t < 4; ++t) {
-      v[t] = _mm256_loadu_ps(p + 8 * t);
-      top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[t]));
-    }
-    const float amax = hmax8(top);
-    const float scale = amax / 127.0f;
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m256i r[4];
-    for (int t = 0; t < 4; ++t) r[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv));  // nearest even
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * GROUP), _mm256_permutevar8x32_epi32(packed, order));
-    const int32_t sum = hsum8(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
-    d[i] = scale;
-    s[i] = sum;
-    ds[i] = scale * static_cast<float>(sum);
+  __m256 v[4];
+  __m256 top = _mm256_setzero_ps();
+  for (int t = 0; t < 4; ++t) {
+    v[t] = _mm256_loadu_ps(p + 8 * t);
+    top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[t]));
   }
-  return {xq, dx, xs, sx};
+  *amax = hmax8(top);
+  const __m256 inv = _mm256_set1_ps(*amax > 0.0f ? 127.0f / *amax : 0.0f);
+  __m256i r[4];
+  for (int t = 0; t < 4; ++t) r[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv));  // nearest even
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, order));
+  *sum = hsum8(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
 }
 
 constexpr int PREFETCH_GROUPS = 4;
@@ -323,6 +286,26 @@ void u8_tile(const uint8_t* w, int64_t groups, const int8_t* xq, const float* dx
 }
 
 #endif
+
+QuantRows quantize_rows(const torch::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), g = k / GROUP;
+  auto xq = torch::empty({m, k}, torch::kInt8);
+  auto dx = torch::empty({m, g}, torch::kFloat32);
+  auto xs = torch::empty({m, g}, torch::kInt32);
+  auto sx = torch::empty({m, g}, torch::kFloat32);
+  const float* src = x.data_ptr<float>();
+  int8_t* q = xq.data_ptr<int8_t>();
+  float* d = dx.data_ptr<float>();
+  int32_t* s = xs.data_ptr<int32_t>();
+  float* ds = sx.data_ptr<float>();
+  for (int64_t i = 0; i < m * g; ++i) {
+    float amax;
+    round_group(src + i * GROUP, q + i * GROUP, &amax, s + i);
+    d[i] = amax / 127.0f;
+    ds[i] = d[i] * static_cast<float>(s[i]);
+  }
+  return {xq, dx, xs, sx};
+}
 
 using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const int32_t*, const float*,
                         int64_t, float*, int64_t);
