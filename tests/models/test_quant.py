@@ -330,3 +330,22 @@ def test_quantized_weights_are_stored_once_and_reloaded(tmp_path):
     damaged.write_bytes(b"not a torch file")
     assert quant_store.load(damaged) is None  # a damaged store is re-made, not trusted
     assert quant_store.load(tmp_path / "missing.pt") is None
+
+
+def test_a_cpu_with_an_instruction_set_gets_its_kernels():
+    """Falling back to torch's int4 is for CPUs without AVX2 or compilers that fail: where the
+    CPU has an instruction set, the build must succeed (an AVX-512 build once failed on its
+    8-lane code for want of -mfma, and w4a8 silently ran as torch int4)."""
+    if int8dot.isa() is None:
+        pytest.skip("this CPU has neither AVX2 + FMA nor AVX-512 VNNI")
+    assert int8dot.available(), int8dot.unavailable_reason()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(int8dot.ISAS))
+def test_every_instruction_set_compiles_here(name):
+    """Each build compiles on any x86 host, so a change for one instruction set cannot break
+    the other unseen (the machine that runs the suite builds only its own)."""
+    if name == int8dot.isa():
+        pytest.skip("built and run by the kernel tests on this machine")
+    assert int8dot.compile_error(name) is None

@@ -30,9 +30,10 @@ from specdecode.models.kernels import cpu_info
 SOURCES = (Path(__file__).parent / "csrc" / "int8dot.cpp", Path(__file__).parent / "csrc" / "attention.cpp")
 # instruction set -> (the CPU flags it needs, the compiler flags), best first
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # -mavx512f implies AVX2 but not FMA or F16C, which the shared 8-lane code uses
     "avx512": (
-        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"),
     ),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
 }
@@ -99,6 +100,26 @@ def _build_for(name: str) -> tuple[ModuleType | None, str | None]:
         errors = [ln.strip() for ln in lines if "error" in ln.lower()][1:2] or lines[:1]  # the compiler's own
         return None, f"the kernel did not build ({errors[0] if errors else type(exc).__name__})"
     return module, None
+
+
+def compile_error(name: str) -> str | None:
+    """Compile (not link or load) the sources for instruction set ``name`` whatever this CPU has,
+    so that a build for other machines is checked here too: the compiler's first error, or None."""
+    import subprocess
+    import sysconfig
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
+    with tempfile.TemporaryDirectory() as out:
+        for source in SOURCES:
+            cmd = ["g++", "-std=c++17", "-c", "-O3", *ISAS[name][1], *includes, str(source), "-o", f"{out}/x.o"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                errors = [ln for ln in done.stderr.splitlines() if "error" in ln]
+                return (errors or done.stderr.splitlines() or ["g++ failed"])[0]
+    return None
 
 
 def _ninja_on_path() -> None:
