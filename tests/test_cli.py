@@ -112,3 +112,15 @@ def test_demo_takes_another_target_and_draft(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert tiny in proc.stdout and "identical tokens: True" in proc.stdout and "draft k=4 output" in proc.stdout
+
+
+def test_a_draft_defaults_to_the_targets_dtype_with_w4a8_as_lossy():
+    from specdecode.core.dtypes import draft_default
+
+    assert draft_default("w4a8") == "w4a8-lossy"
+    assert [draft_default(d) for d in ("auto", "float32", "int4", "w4a8-lossy")] == [
+        "auto",
+        "float32",
+        "int4",
+        "w4a8-lossy",
+    ]

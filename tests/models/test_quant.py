@@ -85,6 +85,27 @@ def test_w4a8_keeps_8_bit_sources_and_pads_odd_shapes(shape, rows):
     assert grid.kind == "w4a8" and _rel(grid(x), _reference(grid, _grid_matrix(*shape), x)) < DOT_RTOL
 
 
+@needs_int8dot
+def test_lossy_w4a8_puts_every_matrix_in_4_bits():
+    """Off a 4-bit grid, w4a8 keeps 8 bits but w4a8-lossy re-quantizes to 4 (about 9% of the
+    matrix: what a Q4 file loses against its source), at ~5 bits per weight instead of ~8."""
+    w = torch.randn(256, 128, generator=torch.Generator().manual_seed(5))
+    kept, lossy = quantize_matrix(w, "w4a8"), quantize_matrix(w, quant.LOSSY)
+    assert kept.kind == "w8a8g" and lossy.kind == "w4a8" and lossy.nbytes < 0.7 * kept.nbytes
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(6))
+    assert _rel(lossy(x), x @ w.t()) < 0.15
+    assert quant.act_dtype(quant.LOSSY) == torch.float32
+
+
+def test_lossy_w4a8_falls_back_to_bounded_int4_without_int8dot(monkeypatch):
+    monkeypatch.setattr(int8dot, "available", lambda: False)
+    quant.kernel_available.cache_clear()
+    try:
+        assert quantize_matrix(torch.randn(64, 64), quant.LOSSY).kind == "int8"  # torch int4's 2% bound holds
+    finally:
+        quant.kernel_available.cache_clear()
+
+
 @pytest.mark.parametrize("kind", KINDS + [pytest.param("w8a8g", marks=needs_int8dot)])
 def test_rows_do_not_depend_on_their_call(kind):
     """A row alone, inside any chunking, and inside one call: bitwise the same (1-token decode
@@ -199,6 +220,25 @@ def test_quantized_rows_of_different_lengths_match_forwards_alone(tiny, kind):
     _, news, caches, alone = ragged_rows(native)
     for got, want in zip(native.forward_rows(news, caches), alone):
         assert torch.equal(got, want)
+
+
+@needs_int8dot
+def test_a_lossy_draft_is_all_4_bit_and_speculation_stays_exact(tiny):
+    """A draft in w4a8-lossy: every matrix the kernels take is 4-bit, and greedy speculation with it gives the
+    target's plain tokens (its error only costs acceptance)."""
+    from specdecode.engine import Decoder, GenerationConfig
+    from specdecode.models.native import quant_matrices
+    from specdecode.proposers import DraftModelProposer
+
+    target = NativeCausalLM.from_pretrained(tiny)
+    draft = NativeCausalLM.from_pretrained(tiny, dtype=torch.float32, quant=quant.LOSSY)
+    kinds = {m.kind for m in quant_matrices(draft.weights) if m.shape[1] % int8dot.GROUP == 0}
+    assert kinds == {"w4a8"}  # (an input not in whole groups of 32 falls back, as for w4a8)
+    prompt = [3, 14, 15, 9, 2, 6]
+    cfg = GenerationConfig(max_new_tokens=20)
+    plain = Decoder(target, None).generate(prompt, cfg).token_ids
+    spec = Decoder(target, DraftModelProposer(draft), 4).generate(prompt, cfg)
+    assert spec.token_ids == plain and spec.stats["accepted_tokens"] > 0
 
 
 def test_quantized_dtype_needs_bf16_activations(tiny):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.workload import HUMANEVAL, WorkItem, default_workload_path, groups_in_order, load_workload, select
-from specdecode.core.dtypes import DTYPE_CHOICES, DTYPE_HELP
+from specdecode.core.dtypes import DRAFT_DTYPE_HELP, DTYPE_CHOICES, DTYPE_HELP, draft_default
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import CONFIDENCE_METHODS, METHODS, method_spec
 
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help=DTYPE_HELP,
     )
-    p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help="the --draft model's (default: --dtype)")
+    p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help=DRAFT_DTYPE_HELP)
     p.add_argument(
         "--draft-vocab",
         type=int,
@@ -178,7 +178,7 @@ def parse_options(argv: list[str]) -> Options:
         target=args.target,
         draft=args.draft,
         dtype=args.dtype,
-        draft_dtype=args.draft_dtype or args.dtype,
+        draft_dtype=args.draft_dtype or draft_default(args.dtype),
         draft_vocab=args.draft_vocab,
         backend=args.backend,
         methods=methods,
@@ -482,7 +482,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
 
     target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
     needs_draft = any(method_spec(base_method(m)).uses_draft for m in opts.methods)
-    draft = load_model(opts.draft, dtype=opts.draft_dtype) if needs_draft and opts.draft else None
+    draft = load_model(opts.draft, dtype=opts.draft_dtype, draft=True) if needs_draft and opts.draft else None
     if draft is not None and opts.draft_vocab is not None:
         from specdecode.models.native import with_draft_vocab
 

@@ -35,6 +35,7 @@ class CatalogModel:
     size: int
     sha256: str
     about: str
+    draft: bool = False  # made to draft for a target: ``auto`` loads it in its draft dtype
 
     def requirement_names(self) -> list[str]:
         return [re.split(r"[=<>!~]", p, maxsplit=1)[0] for p in self.packages]
@@ -60,6 +61,7 @@ CATALOG: dict[str, CatalogModel] = {
             491_400_064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             "Qwen2.5-Coder-0.5B-Instruct (from the AWQ checkpoint), Q4_K_M (draft)",
+            draft=True,
         ),
     )
 }

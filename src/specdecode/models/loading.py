@@ -15,7 +15,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from specdecode.core.dtypes import DTYPE_CHOICES, QUANT_DTYPES
+from specdecode.core.dtypes import DTYPE_CHOICES, QUANT_DTYPES, draft_default
 from specdecode.errors import IncompatibleDraftError, ModelLoadError
 from specdecode.models.quant import act_dtype
 
@@ -162,26 +162,31 @@ def load_tokenizer(model_dir: Path) -> Any:
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {exc}") from None
 
 
-def auto_dtype(model_dir: Path, backend: str = "auto") -> str:
+def auto_dtype(model_dir: Path, backend: str = "auto", draft: bool = False) -> str:
     """What ``dtype="auto"`` loads: ``w4a8`` for a GGUF whose matrices are mostly quantized already
     (4-bit ones stay 4-bit, 5- to 8-bit ones become int8), where the native backend runs it and
     the int8dot kernels build on this CPU: the fastest path measured here, on the file's own
     low-bit values, and its int8 activations add ~0.002 nats of KL against float32
-    (BENCHMARKS.md). Else float32, whose sums are the reference."""
+    (BENCHMARKS.md). Else float32, whose sums are the reference. For a ``draft``, w4a8-lossy
+    instead of w4a8 (:func:`~specdecode.core.dtypes.draft_default`)."""
     from specdecode.models import int8dot, native
     from specdecode.models.gguf_source import quantized_share
 
     gguf = gguf_source(model_dir)
     if backend == "transformers" or gguf is None or quantized_share(gguf) < 0.5 or not int8dot.available():
         return "float32"
-    return "w4a8" if native.unsupported_reason(native.read_config(model_dir), model_dir) is None else "float32"
+    if native.unsupported_reason(native.read_config(model_dir), model_dir) is not None:
+        return "float32"
+    return draft_default("w4a8") if draft else "w4a8"
 
 
-def load_model(path: str | os.PathLike | None = None, *, dtype: str = "float32", backend: str = "auto") -> LoadedModel:
+def load_model(
+    path: str | os.PathLike | None = None, *, dtype: str = "float32", backend: str = "auto", draft: bool = False
+) -> LoadedModel:
     """Load a target or draft: None (embedded default), a transformers folder or a GGUF file.
 
     ``dtype``: float32, bfloat16, weight-only int8 / int4, w4a8 / w8a8 (native backend only), or
-    "auto" (:func:`auto_dtype`; the loaded model's ``dtype`` says what it chose).
+    "auto" (:func:`auto_dtype`, for a ``draft`` if set; the loaded model's ``dtype`` says what it chose).
     ``backend``: "auto" (native Llama-family path when supported), "native" or "transformers".
     """
     if dtype != "auto" and dtype not in DTYPES and dtype not in QUANT_DTYPES:
@@ -192,7 +197,7 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: str = "float32",
         raise ModelLoadError(f"dtype {dtype} runs on the native backend only")
     model_dir = resolve_model_dir(path, weights=False)
     if dtype == "auto":
-        dtype = auto_dtype(model_dir, backend)
+        dtype = auto_dtype(model_dir, backend, draft)
     tokenizer = load_tokenizer(model_dir)
     if backend != "transformers":
         from specdecode.models import native

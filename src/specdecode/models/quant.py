@@ -26,6 +26,10 @@ KINDS = ("int8", "int4", "w8a8", "w4a8")
 # Matrix kinds of the int8dot kernels: "w4a8" (4-bit tiles) and "w8a8g" (8-bit tiles, what a
 # w4a8 model keeps for its 5- to 8-bit sources); float32 activations in, float32 out.
 DOT_KINDS = ("w4a8", "w8a8g")
+# A model-level choice, not a matrix kind: every matrix as w4a8, 5- to 8-bit sources re-quantized
+# to 4 bits whatever it costs them. Meant for drafts, whose error costs acceptance and never
+# exactness: reading 4 bits instead of 8 is what a draft step costs.
+LOSSY = "w4a8-lossy"
 INT4_GROUP = 32  # GGUF's Q4_0/Q4_1/Q4_K blocks are 32 wide; smaller groups track them best
 ACT = torch.bfloat16  # activation dtype into the kernels (their fp32 path is ~10x slower)
 # int4 only where it keeps what the file had: re-quantizing a GGUF 4-bit matrix costs ~0.5% (its
@@ -36,13 +40,13 @@ INT4_MAX_ERROR = 0.02
 
 def act_dtype(kind: str) -> torch.dtype:
     """The dtype a matrix of ``kind`` takes its activations in."""
-    return torch.float32 if kind in DOT_KINDS else ACT
+    return torch.float32 if kind in DOT_KINDS or kind == LOSSY else ACT
 
 
 @functools.cache
 def kernel_available(kind: str) -> bool:
     """Whether this torch build runs ``kind``'s kernel (probed once on a tiny matrix)."""
-    if kind in DOT_KINDS:
+    if kind in DOT_KINDS or kind == LOSSY:
         return int8dot.available()
     try:
         x = torch.ones(2, 32, dtype=ACT)
@@ -203,8 +207,13 @@ def quantize_matrix(w: torch.Tensor, kind: str) -> QuantMatrix | torch.Tensor:
     """``w`` [out, in] as ``kind`` where its kernel runs here and the shape fits; int4 falls back to
     int8 (also where int4 would lose more than ``INT4_MAX_ERROR`` of the matrix), w8a8 to int8,
     int8 to a bf16 tensor (used with ``F.linear``), so a missing op never fails a load. w4a8 falls
-    back to w8a8g the same way, and both to torch's int4 / int8 where their kernels cannot run."""
+    back to w8a8g the same way, and both to torch's int4 / int8 where their kernels cannot run.
+    ``LOSSY`` is w4a8 with no error bound (torch's int4, bounded, where the kernels cannot run)."""
     shape = (int(w.shape[0]), int(w.shape[1]))
+    if kind == LOSSY:
+        if kernel_available(kind) and shape[1] % int8dot.GROUP == 0:
+            return _try_int4(w, shape, _w4a8, max_error=float("inf"))
+        kind = "int4"
     if kind in DOT_KINDS:
         if kernel_available(kind) and shape[1] % int8dot.GROUP == 0:
             int4 = _try_int4(w, shape, _w4a8) if kind == "w4a8" else None
@@ -227,14 +236,17 @@ def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _try_int4(
-    w: torch.Tensor, shape: tuple[int, int], pack: Callable[..., QuantMatrix] | None = None
+    w: torch.Tensor,
+    shape: tuple[int, int],
+    pack: Callable[..., QuantMatrix] | None = None,
+    max_error: float = INT4_MAX_ERROR,
 ) -> QuantMatrix | None:
     """``w`` as int4 (packed by ``pack``, default torch's layout), or None where that would lose
-    more than ``INT4_MAX_ERROR`` of it."""
+    more than ``max_error`` of it (relative Frobenius error)."""
     blocks = w.split(ROW_BLOCK)
     parts = [quantize_int4(block) for block in blocks]
     err2 = sum(float((dequantize_int4(*p) - b.float()).pow(2).sum()) for p, b in zip(parts, blocks))
-    if (err2 / max(float(w.float().pow(2).sum()), 1e-30)) ** 0.5 > INT4_MAX_ERROR:
+    if (err2 / max(float(w.float().pow(2).sum()), 1e-30)) ** 0.5 > max_error:
         return None
     q, scale, zero = (torch.cat(t) for t in zip(*parts))
     return (pack or _int4)(shape, q, scale, zero)
