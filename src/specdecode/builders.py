@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from specdecode.core.dtypes import draft_default
 from specdecode.errors import ConfigError
 from specdecode.methods import TRAINED
-from specdecode.models.loading import LoadedModel, check_compatible, load_model
+from specdecode.models.loading import LoadedModel, check_compatible, load_draft, load_model
 from specdecode.proposers.base import Proposer
 
 DraftArg = LoadedModel | str | os.PathLike | None
@@ -61,9 +60,9 @@ def build_draft(target: LoadedModel, draft: DraftArg = None, **options: Any) -> 
         options.pop("dtype", None)  # it runs in the target's dtype, on the target's own layers
         model = shipped_draft(target.model, target.source) if draft is None else load_distilled(target.model, draft)[0]
         return DraftModelProposer(model, **options)
-    dtype = options.pop("dtype", draft_default(target.dtype))  # of a draft loaded here; a loaded one keeps its own
+    dtype = options.pop("dtype", None)  # of a draft loaded here; a loaded one keeps its own
     if not isinstance(draft, LoadedModel):
-        draft = load_model(draft, dtype=dtype, draft=True)
+        draft = load_draft(draft, target.dtype, dtype)
     check_compatible(target, draft)
     return DraftModelProposer(draft.model, **options)
 

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from specdecode.core.dtypes import DRAFT_DTYPE_HELP, DTYPE_CHOICES, DTYPE_HELP, QUANT_DTYPES, draft_default
+from specdecode.core.dtypes import DRAFT_DTYPE_HELP, DTYPE_CHOICES, DTYPE_HELP, QUANT_DTYPES
 from specdecode.errors import SpecDecodeError
 from specdecode.methods import TRAINED, method_names, method_spec
 
@@ -65,14 +65,13 @@ def _draft(args: argparse.Namespace) -> Any:
     if args.draft_vocab is None:
         return args.draft
     from specdecode.errors import ConfigError
-    from specdecode.models.loading import load_model
+    from specdecode.models.loading import load_draft
     from specdecode.models.native import with_draft_vocab
 
     if not args.draft or args.method not in ("draft", "hybrid"):
         raise ConfigError("--draft-vocab needs --draft and --method draft or hybrid")
 
-    dtype = args.draft_dtype or draft_default(args.dtype)
-    return with_draft_vocab(load_model(args.draft, dtype=dtype, draft=True), args.draft_vocab)
+    return with_draft_vocab(load_draft(args.draft, args.dtype, args.draft_dtype), args.draft_vocab)
 
 
 def _generate_parser(sub: Any) -> None:

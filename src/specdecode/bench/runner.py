@@ -469,7 +469,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
 
     from specdecode.api import SpeculativeGenerator
     from specdecode.bench import report
-    from specdecode.models.loading import load_model
+    from specdecode.models.loading import load_draft, load_model
 
     console = Console(stderr=True)
     started = time.perf_counter()
@@ -482,7 +482,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
 
     target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
     needs_draft = any(method_spec(base_method(m)).uses_draft for m in opts.methods)
-    draft = load_model(opts.draft, dtype=opts.draft_dtype, draft=True) if needs_draft and opts.draft else None
+    draft = load_draft(opts.draft, opts.dtype, opts.draft_dtype) if needs_draft and opts.draft else None
     if draft is not None and opts.draft_vocab is not None:
         from specdecode.models.native import with_draft_vocab
 

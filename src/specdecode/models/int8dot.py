@@ -75,7 +75,7 @@ def _build_for(name: str) -> tuple[ModuleType | None, str | None]:
     missing = missing_flags(name)
     if missing:
         return None, f"the CPU lacks {', '.join(missing)} (asked for {name})"
-    cflags = ["-O3", "-fopenmp", *ISAS[name][1]]
+    cflags = _cflags(name)
     try:
         from torch.utils import cpp_extension
 
@@ -102,6 +102,11 @@ def _build_for(name: str) -> tuple[ModuleType | None, str | None]:
     return module, None
 
 
+def _cflags(name: str) -> list[str]:
+    """What instruction set ``name`` is compiled with (the build and :func:`compile_error` alike)."""
+    return ["-O3", "-fopenmp", *ISAS[name][1]]
+
+
 def compile_error(name: str) -> str | None:
     """Compile (not link or load) the sources for instruction set ``name`` whatever this CPU has,
     so that a build for other machines is checked here too: the compiler's first error, or None."""
@@ -114,7 +119,7 @@ def compile_error(name: str) -> str | None:
     includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
     with tempfile.TemporaryDirectory() as out:
         for source in SOURCES:
-            cmd = ["g++", "-std=c++17", "-c", "-O3", *ISAS[name][1], *includes, str(source), "-o", f"{out}/x.o"]
+            cmd = ["g++", "-std=c++17", "-c", *_cflags(name), *includes, str(source), "-o", f"{out}/x.o"]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 errors = [ln for ln in done.stderr.splitlines() if "error" in ln]

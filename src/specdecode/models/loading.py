@@ -215,6 +215,12 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir), dtype=dtype)
 
 
+def load_draft(path: str | os.PathLike, target_dtype: str, dtype: str | None = None) -> LoadedModel:
+    """Load a draft model: at ``dtype`` if given, else its target's dtype with w4a8 as w4a8-lossy
+    (:func:`~specdecode.core.dtypes.draft_default`; ``auto`` resolves for a draft)."""
+    return load_model(path, dtype=dtype or draft_default(target_dtype), draft=True)
+
+
 def transformers_dir(model_dir: str | os.PathLike) -> Path:
     """A folder transformers can load: a GGUF's cache folder gets its float32 weights (once)."""
     gguf = gguf_source(Path(model_dir))

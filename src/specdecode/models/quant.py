@@ -30,6 +30,7 @@ DOT_KINDS = ("w4a8", "w8a8g")
 # to 4 bits whatever it costs them. Meant for drafts, whose error costs acceptance and never
 # exactness: reading 4 bits instead of 8 is what a draft step costs.
 LOSSY = "w4a8-lossy"
+_ON_INT8DOT = (*DOT_KINDS, LOSSY)  # what runs on the int8dot kernels, float32 activations in
 INT4_GROUP = 32  # GGUF's Q4_0/Q4_1/Q4_K blocks are 32 wide; smaller groups track them best
 ACT = torch.bfloat16  # activation dtype into the kernels (their fp32 path is ~10x slower)
 # int4 only where it keeps what the file had: re-quantizing a GGUF 4-bit matrix costs ~0.5% (its
@@ -40,13 +41,13 @@ INT4_MAX_ERROR = 0.02
 
 def act_dtype(kind: str) -> torch.dtype:
     """The dtype a matrix of ``kind`` takes its activations in."""
-    return torch.float32 if kind in DOT_KINDS or kind == LOSSY else ACT
+    return torch.float32 if kind in _ON_INT8DOT else ACT
 
 
 @functools.cache
 def kernel_available(kind: str) -> bool:
     """Whether this torch build runs ``kind``'s kernel (probed once on a tiny matrix)."""
-    if kind in DOT_KINDS or kind == LOSSY:
+    if kind in _ON_INT8DOT:
         return int8dot.available()
     try:
         x = torch.ones(2, 32, dtype=ACT)
@@ -245,9 +246,10 @@ def _try_int4(
     more than ``max_error`` of it (relative Frobenius error)."""
     blocks = w.split(ROW_BLOCK)
     parts = [quantize_int4(block) for block in blocks]
-    err2 = sum(float((dequantize_int4(*p) - b.float()).pow(2).sum()) for p, b in zip(parts, blocks))
-    if (err2 / max(float(w.float().pow(2).sum()), 1e-30)) ** 0.5 > max_error:
-        return None
+    if max_error < float("inf"):  # an unbounded ask (w4a8-lossy) need not dequantize to measure
+        err2 = sum(float((dequantize_int4(*p) - b.float()).pow(2).sum()) for p, b in zip(parts, blocks))
+        if (err2 / max(float(w.float().pow(2).sum()), 1e-30)) ** 0.5 > max_error:
+            return None
     q, scale, zero = (torch.cat(t) for t in zip(*parts))
     return (pack or _int4)(shape, q, scale, zero)
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.api import make_proposer, measured_draft, resolve_speculation
-from specdecode.core.dtypes import draft_default
 from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Engine, EngineConfig, GenerationConfig, Speculation
 from specdecode.errors import ConfigError
@@ -82,18 +81,18 @@ class ModelSource:
             )
 
     def __call__(self) -> tuple[LoadedModel, Any]:
-        from specdecode.models.loading import load_model
+        from specdecode.models.loading import load_draft, load_model
         from specdecode.models.native import with_draft_vocab
 
         target = load_model(self.target, dtype=self.dtype, backend=self.backend)
         draft: Any = self.draft
         if self.draft is not None and self.method in ("draft", "xtok"):
-            draft = load_model(self.draft, dtype=draft_default(self.dtype), draft=True)
+            draft = load_draft(self.draft, self.dtype)
         elif self.draft is None and self.method == "auto" and (measured := measured_draft(target)):
             draft = load_model(measured[0], dtype=measured[1])  # once, shared by every request
         if self.draft_vocab is not None:
             if isinstance(draft, str):  # hybrid's second source, loaded here to be cut once
-                draft = load_model(draft, dtype=draft_default(self.dtype), draft=True)
+                draft = load_draft(draft, self.dtype)
             if not isinstance(draft, LoadedModel):
                 raise ConfigError("--draft-vocab needs a draft model (--draft, or method auto measured with one)")
             draft = with_draft_vocab(draft, self.draft_vocab)
