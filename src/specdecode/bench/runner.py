@@ -9,6 +9,7 @@ PNG plots and ``DIR/report.html`` are (re)written from every stored pair of this
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specdecode.bench.llama_cpp import find_binary
+from specdecode.bench.report import cell_label, ours_speculative
 from specdecode.bench.workload import HUMANEVAL, WorkItem, default_workload_path, groups_in_order, load_workload, select
 from specdecode.core.dtypes import DRAFT_DTYPE_HELP, DTYPE_CHOICES, DTYPE_HELP, draft_default
 from specdecode.errors import ConfigError, InputError
@@ -32,6 +35,8 @@ TREE_SUFFIX = "+tree"  # e.g. "ngram+tree": the same method verifying candidate 
 CONF_SUFFIX = "+conf"  # e.g. "eagle+conf": chains stop before a token the drafter gives < --confidence
 COST_CONTEXT = 200  # cache length for the forward-cost curve
 AUTO_K_MAX = 8  # k_max the engine's auto policy uses by default
+LLAMA_CELLS = ("llama.cpp", "llama.cpp-draft")  # its plain decoding, its own draft-model speculation
+LLAMA_DEFAULT_K = 4  # llama.cpp's draft length when no fixed --k is measured
 
 # --quick uses one torch thread: on a small shared machine, OpenMP threads that outnumber free
 # cores make every forward many times slower and the timings meaningless.
@@ -67,11 +72,15 @@ class Cell:
 
     @property
     def speculative(self) -> bool:
-        return self.method not in ("none", "hf")
+        return ours_speculative(self.method)
+
+    @property
+    def llama(self) -> bool:
+        """A llama.cpp reference cell (``--llama-server``)."""
+        return self.method in LLAMA_CELLS
 
     def label(self, with_temperature: bool = False) -> str:
-        base = {"none": "plain", "hf": "hf generate"}.get(self.method, f"{self.method} k={self.k}")
-        return f"{base} T={self.temperature:g}" if with_temperature else base
+        return cell_label(self.to_dict(), with_temperature)
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "method": self.method, "k": self.k, "temperature": self.temperature}
@@ -124,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt sample and sampling seed")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     p.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="a llama-server binary (or its folder): adds llama.cpp's plain decoding and, with a GGUF --draft, its "
+        "own draft-model speculation at the largest fixed --k, on the same GGUF files and prompt ids",
+    )
+    p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; 1 with --quick)"
     )
     return p
@@ -149,6 +165,7 @@ class Options:
     hf: bool
     threads: int | None = None
     confidence: float = 0.5
+    llama_server: str | None = None  # --llama-server: the binary, found and checked
 
 
 def parse_options(argv: list[str]) -> Options:
@@ -190,6 +207,7 @@ def parse_options(argv: list[str]) -> Options:
         hf=not args.no_hf,
         threads=args.threads if args.threads is not None else preset["threads"],
         confidence=args.confidence,
+        llama_server=str(find_binary(args.llama_server)) if args.llama_server else None,
     )
 
 
@@ -445,11 +463,20 @@ def plan_cells(opts: Options) -> list[Cell]:
         cells.append(Cell("none", 0, temp))
         if opts.hf:
             cells.append(Cell("hf", 0, temp))
+        if opts.llama_server:
+            cells.append(Cell("llama.cpp", 0, temp))
+            if opts.draft:
+                cells.append(Cell("llama.cpp-draft", llama_k(opts), temp))
         for method in opts.methods:
             if method == "none":
                 continue
             cells.extend(Cell(method, k, temp) for k in opts.ks)
     return cells
+
+
+def llama_k(opts: Options) -> int:
+    """llama.cpp's draft length: the largest fixed k measured, else :data:`LLAMA_DEFAULT_K`."""
+    return max((k for k in opts.ks if isinstance(k, int)), default=LLAMA_DEFAULT_K)
 
 
 def prompt_seed(seed: int, item: WorkItem) -> int:
@@ -463,6 +490,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
+    """Run every cell on every prompt (resuming from ``opts.out``), then write and print the report."""
+    with contextlib.ExitStack() as servers:  # llama-server processes stop however the run ends
+        return _run_bench(opts, items, argv, servers)
+
+
+def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: contextlib.ExitStack) -> int:
     import torch
     from rich.console import Console
     from tqdm import tqdm
@@ -489,7 +522,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         draft = with_draft_vocab(draft, opts.draft_vocab)
     cells, skipped_cells, gens = [], [], {}
     for cell in plan_cells(opts):
-        if cell.method == "hf":
+        if cell.method == "hf" or cell.llama:
             cells.append(cell)
             continue
         sig = (cell.method, cell.k)
@@ -540,6 +573,8 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         truncated = len(ids) > budget
         prompts[item.id] = {"ids": ids[-budget:] if truncated else ids, "truncated": truncated, "tokens": len(ids)}
 
+    longest = max(p["tokens"] if not p["truncated"] else budget for p in prompts.values())
+    llamas = _llama_servers(opts, cells, target, longest + opts.max_new_tokens + 16, servers)
     console.print(f"measuring the target's forward cost c(n), n = 1..{kmax + 1}, after {COST_CONTEXT} cached tokens")
     cost_curve = measure_cost_curve(target.model, kmax + 1)
 
@@ -558,6 +593,8 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         for cell in cells:
             if cell.method == "hf":
                 hf_generate(hf_model, warm_ids, 4, cell.temperature, 0, target.eos_token_ids)
+            elif cell.llama:
+                llamas[cell.method].generate(warm_ids, 4, cell.temperature, 0)
             else:
                 gens[(cell.method, cell.k)].generate(warm_ids, max_new_tokens=4, temperature=cell.temperature, seed=0)
     with (
@@ -566,7 +603,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
     ):
         for item, cell in todo:
             bar.set_postfix_str(f"{item.group}/{item.id} {cell.label(len(opts.temperatures) > 1)}", refresh=False)
-            rec = _run_one(cell, item, prompts[item.id], opts, gens, hf_model, target)
+            rec = _run_one(cell, item, prompts[item.id], opts, gens, hf_model, target, llamas)
             rec.update(key=record_key(cell, item), fingerprint=fp)
             store.write(json.dumps(rec) + "\n")
             store.flush()
@@ -598,6 +635,7 @@ def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             "quick": opts.quick,
             "confidence": opts.confidence,
             "hybrid_drafter": hybrid,
+            "llama_server": {kind: " ".join(server.command) for kind, server in llamas.items()} or None,
             "fingerprint": fp,
         },
         "cost_curve": {"context_tokens": COST_CONTEXT, "forward_s": {str(n): s for n, s in cost_curve.items()}},
@@ -641,13 +679,24 @@ def _hf_model(target: Any, dtype: str) -> Any:
 
 
 def _run_one(
-    cell: Cell, item: WorkItem, prompt: dict[str, Any], opts: Options, gens: dict, hf_model: Any, target: Any
+    cell: Cell,
+    item: WorkItem,
+    prompt: dict[str, Any],
+    opts: Options,
+    gens: dict,
+    hf_model: Any,
+    target: Any,
+    llamas: dict[str, Any],
 ) -> dict[str, Any]:
     seed = prompt_seed(opts.seed, item)
     if cell.method == "hf":
         token_ids, stats = hf_generate(
             hf_model, prompt["ids"], opts.max_new_tokens, cell.temperature, seed, target.eos_token_ids
         )
+        finish = None
+    elif cell.llama:
+        token_ids, stats = llamas[cell.method].generate(prompt["ids"], opts.max_new_tokens, cell.temperature, seed)
+        stats.update(method=cell.method, k=cell.k)
         finish = None
     else:
         out = gens[(cell.method, cell.k)].generate(
@@ -668,6 +717,32 @@ def _run_one(
         "stats": stats,
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _llama_servers(
+    opts: Options, cells: list[Cell], target: Any, context: int, servers: contextlib.ExitStack
+) -> dict[str, Any]:
+    """A started llama-server per llama.cpp cell kind, on the GGUF files the target and draft came
+    from, each closed by ``servers``; InputError where a model is not a GGUF file."""
+    from specdecode.bench.llama_cpp import LlamaServer
+    from specdecode.models.loading import gguf_source, resolve_model_dir
+
+    kinds = {c.method: c.k for c in cells if c.llama}
+    if not kinds:
+        return {}
+    model = gguf_source(Path(target.source))
+    draft = gguf_source(resolve_model_dir(opts.draft, weights=False)) if "llama.cpp-draft" in kinds else None
+    if model is None or ("llama.cpp-draft" in kinds and draft is None):
+        raise InputError("--llama-server needs the target and the draft to come from GGUF files")
+    threads = opts.threads or os.cpu_count() or 1
+    logs = opts.out / "llama-server"
+    logs.mkdir(exist_ok=True)
+    started: dict[str, Any] = {}
+    for kind, k in kinds.items():
+        drafted = draft if kind == "llama.cpp-draft" else None
+        server = LlamaServer(Path(opts.llama_server), model, threads, context, logs / f"{kind}.log", drafted, k or 4)
+        started[kind] = servers.enter_context(contextlib.closing(server))
+    return started
 
 
 def _workload_name(workload: str | None) -> str:

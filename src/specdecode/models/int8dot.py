@@ -246,6 +246,24 @@ def unpack_u8(packed: torch.Tensor, out: int, n_in: int) -> torch.Tensor:
     return q.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, n_in)[:out].contiguous()
 
 
+def u4_rows(packed: torch.Tensor, ids: torch.Tensor, n_in: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``ids`` [n] of a :func:`pack_u4` matrix, read from their tiles alone (plain torch):
+    (q uint8 [n, in], scale and zero bf16 [n, in / 32]), as :func:`unpack_u4` gives them."""
+    groups, n = n_in // GROUP, int(ids.numel())
+    every = torch.arange(n)
+    sel = packed.view(-1, groups, 2, 320)[ids // U4_TILE, :, (ids % U4_TILE) // TILE]  # [n, group, 320]
+    nib = sel[:, :, :256].reshape(n, groups, 4, TILE, 4)[every, :, :, ids % TILE]  # [n, group, chunk, byte]
+    q = torch.stack((nib & 0x0F, nib >> 4), dim=3).reshape(n, n_in)  # input 8 chunk + 4 nibble + byte
+    scales = sel[:, :, 256:].contiguous().view(torch.bfloat16).reshape(n, groups, 2, TILE)
+    return q, scales[every, :, 0, ids % TILE], scales[every, :, 1, ids % TILE]
+
+
+def u8_rows(packed: torch.Tensor, ids: torch.Tensor, n_in: int) -> torch.Tensor:
+    """Rows ``ids`` [n] of a :func:`pack_u8` matrix from their tiles alone: int8 q [n, in]."""
+    sel = packed.view(-1, n_in // GROUP, 8, TILE, 4)[ids // TILE, :, :, ids % TILE]  # [n, group, chunk, byte]
+    return (sel.to(torch.int16) - 128).to(torch.int8).reshape(int(ids.numel()), n_in)
+
+
 def build_report() -> str:
     """Build now if needed (``make kernels``) and say how it went, in one line."""
     return f"int8dot kernels ready ({isa()})" if available() else f"int8dot kernels unavailable: {unavailable_reason()}"

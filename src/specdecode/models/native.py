@@ -21,7 +21,17 @@ from specdecode.models import int8dot, quant_store
 from specdecode.models.base import ModelCaps
 from specdecode.models.gguf_source import GGUFTensors
 from specdecode.models.loading import LoadedModel, gguf_source
-from specdecode.models.quant import ACT, QuantMatrix, act_dtype, plan_rows, quant_linear, quantize_matrix, select_rows
+from specdecode.models.quant import (
+    ACT,
+    QuantMatrix,
+    act_dtype,
+    can_embed,
+    embed_rows,
+    plan_rows,
+    quant_linear,
+    quantize_matrix,
+    select_rows,
+)
 from specdecode.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig, cos_sin, inv_freq
 from specdecode.models.static_cache import StaticKVCache
 
@@ -153,10 +163,12 @@ class LayerWeights:
 class Weights:
     """All tensors of the model; ``linear`` is how matrices are applied (plain or prepacked)."""
 
-    embed: torch.Tensor  # [vocab, hidden]
+    # [vocab, hidden]; read through quant.embed_rows: a tied quantized model's head itself where
+    # its rows read back (no second float copy: 467 MB on a 1.5B model with a 151,936-token vocab)
+    embed: torch.Tensor | QuantMatrix
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as ``embed`` when tied, unless packed
+    lm_head: torch.Tensor | QuantMatrix  # [vocab, hidden]; the same object as ``embed`` when tied, unless packed
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
 
     @property
@@ -198,7 +210,8 @@ def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quan
     """Read, fuse and cast the checkpoint's tensors; ModelLoadError naming any missing tensor.
 
     ``quant`` ("int8", "int4", "w8a8" or "w4a8") quantizes every matrix, layer by layer as it is read
-    (the embedding stays bf16 for lookups), and stores the result once beside a GGUF's config
+    (a tied model looks its embeddings up in the quantized head, unless that is torch's opaque int4,
+    where a bf16 copy stays; an untied embedding stays bf16), and stores the result once beside a GGUF's config
     (:mod:`quant_store`); ``dtype`` is then the activations' dtype.
     """
     store = quant_store.store_path(model_dir, quant) if quant and gguf_source(model_dir) is not None else None
@@ -222,8 +235,9 @@ def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quan
     if embed is None or head is None:
         raise ModelLoadError(f"{model_dir}: checkpoint has no embedding or output matrix")
     if quant:
+        tied = embed is head
         head = quantize_matrix(head, head_kind)
-        embed = embed.to(ACT)
+        embed = head if tied and can_embed(head) else embed.to(ACT)
     layers = []
     for i in range(config.num_layers):
         kinds = {m: _kind(raw, quant, names) for m, names in _layer_sources(f"model.layers.{i}.").items()}
@@ -762,7 +776,7 @@ class NativeCausalLM:
     ) -> torch.Tensor:
         """Embed ``ids`` [n] at ``positions`` [n] and run the decoder; float32 logits [rows, vocab]."""
         cos, sin = cos_sin(self._inv_freq, positions, torch.float32)
-        x = F.embedding(ids, self.weights.embed).float()
+        x = embed_rows(self.weights.embed, ids)  # [n, hidden] float32
         rope = (cos[:, None], sin[:, None])  # broadcast over heads
         return self._decoder(x, self.weights, seqs, rope, self._dims, last_rows, hidden).float()
 
@@ -849,7 +863,7 @@ def output_rows(model: NativeCausalLM, vocab_ids: torch.Tensor) -> torch.Tensor:
     """``model``'s LM-head rows for ``vocab_ids`` (float32 [n, hidden]), tied or not, packed or not."""
     w = model.weights
     if model.config.tie_word_embeddings:
-        return w.embed[vocab_ids].float().contiguous()
+        return embed_rows(w.embed, vocab_ids).contiguous()
     return target_matrix(model, w.lm_head, w.embed.shape[1])[vocab_ids].contiguous()
 
 

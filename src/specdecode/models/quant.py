@@ -181,6 +181,26 @@ class QuantMatrix:
         return y if padded == out else y[:, :out]
 
     @property
+    def has_rows(self) -> bool:
+        """Whether :meth:`rows` can read single rows back (not from torch's opaque int4 layout)."""
+        return self.kind != "int4"
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Output rows ``ids`` [n] dequantized to float32 [n, in], bitwise what the plain
+        dequantize reference gives; reads only their tiles, so a tied model's embedding lookups
+        can come from its quantized head instead of a second float copy of it."""
+        ids = ids.reshape(-1)
+        if self.kind in ("int8", "w8a8"):
+            q, scales = self.tensors
+            return dequantize_int8(q[ids], scales[ids])
+        if self.kind == "w8a8g":
+            packed, scales = self.tensors
+            return int8dot.u8_rows(packed, ids, self.shape[1]).float() * scales[ids][:, None]
+        if self.kind == "w4a8":
+            return dequantize_int4(*int8dot.u4_rows(self.tensors[0], ids, self.shape[1]))
+        raise ValueError(f"{self.kind} matrices keep no readable rows (torch's packed int4 layout)")
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
@@ -301,6 +321,19 @@ def select_rows(m: QuantMatrix, ids: torch.Tensor) -> QuantMatrix | None:
         q, scale, zero = int8dot.unpack_u4(m.tensors[0], m.shape[0], m.shape[1])
         return _w4a8(shape, q[ids], scale[ids], zero[ids])
     return None
+
+
+def embed_rows(table: QuantMatrix | torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding of ``ids`` [...] as float32 [..., hidden], from a float table or a quantized
+    (tied) head with readable rows."""
+    if isinstance(table, QuantMatrix):
+        return table.rows(ids).reshape(*ids.shape, table.shape[1])
+    return torch.nn.functional.embedding(ids, table).float()
+
+
+def can_embed(m: QuantMatrix | torch.Tensor) -> bool:
+    """Whether a quantized head (or its bf16 fallback) can also serve a tied model's lookups."""
+    return not isinstance(m, QuantMatrix) or m.has_rows
 
 
 def quant_linear(x: torch.Tensor, w: QuantMatrix | torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

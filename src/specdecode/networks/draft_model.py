@@ -27,6 +27,7 @@ from torch import nn
 
 from specdecode.errors import ConfigError
 from specdecode.models.native import LayerWeights, ReducedVocabLM, Weights, output_rows, pack_weights, target_matrix
+from specdecode.models.quant import embed_rows
 from specdecode.models.rope import cos_sin, inv_freq
 from specdecode.networks.layers import LayerParams, LayerShape, decoder_layer
 from specdecode.networks.storage import CARD_FILE, WEIGHTS_FILE, load_head, shipped_head_dir
@@ -167,7 +168,7 @@ class DistilledDraft(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [B, T, draft_vocab] of token windows [B, T] (causal, from position 0)."""
-        x = F.embedding(tokens, self.embed).float()
+        x = embed_rows(self.embed, tokens)  # [B, T, hidden] float32
         rope = cos_sin(self.inv_freq, torch.arange(tokens.shape[1]), torch.float32)
         for i in range(len(self.layers)):
             x = decoder_layer(x, self.params(i), self.cfg.shape, rope)

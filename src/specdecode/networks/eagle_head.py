@@ -20,6 +20,7 @@ from torch import nn
 
 from specdecode.errors import ConfigError
 from specdecode.models.native import output_rows
+from specdecode.models.quant import embed_rows
 from specdecode.models.rope import cos_sin, inv_freq
 from specdecode.networks.layers import (
     DraftingSnapshot,
@@ -103,7 +104,7 @@ class EagleHead(DraftingSnapshot, nn.Module):
         return LayerParams(self.ln1, self.qkv.weight, self.o.weight, self.ln2, self.gate_up.weight, self.down.weight)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed).float()
+        return embed_rows(self.embed, ids)
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., draft_vocab] of features [..., hidden]."""
