@@ -365,7 +365,7 @@ def test_bench_runs_llama_cpp_beside_ours_on_the_same_gguf_and_ids(tmp_path, mon
 
     log = tmp_path / "requests.jsonl"
     monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
-    server = _fake_llama_server(tmp_path)
+    _fake_llama_server(tmp_path)  # found by its folder below
     workload = write_jsonl(tmp_path / "w.jsonl", WORKLOAD[1:])
     gguf = str(default_gguf_path())
     argv = ["bench", "--workload", str(workload), "--out", str(tmp_path / "out"), "--draft", gguf]

@@ -244,23 +244,23 @@ def test_quantized_model_tracks_float_logits(tiny, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_tied_quantized_model_looks_its_embeddings_up_in_its_head(tmp_path, kind):
-    """No second float copy of a tied matrix: the embedding is the quantized head itself (rows
-    read back), except torch's opaque int4, which keeps a bf16 copy; logits are bitwise those
-    of the same model given that head's rows as a dense table."""
+@pytest.mark.parametrize("case", ["llama-tied-gqa-llama3", "llama-untied-bias-linear"])
+def test_a_quantized_model_looks_its_embeddings_up_in_a_quantized_table(tmp_path, kind, case):
+    """No float copy of the embedding table: it is quantized like the matrices where its rows read
+    back, and a tied model's is the quantized head itself; torch's opaque int4 keeps bf16. Logits
+    are bitwise those of the same model given the table's rows as a dense float table."""
     import dataclasses
 
     from test_native import make_checkpoint
 
-    folder, _ = make_checkpoint(tmp_path, "llama-tied-gqa-llama3")
+    folder, _ = make_checkpoint(tmp_path, case)
     q = NativeCausalLM.from_pretrained(folder, dtype=quant.act_dtype(kind), quant=kind)
     w = q.weights
-    head_rows = isinstance(w.lm_head, QuantMatrix) and w.lm_head.has_rows
-    assert (w.embed is w.lm_head) == head_rows
-    if not head_rows:
-        assert w.embed.dtype == quant.ACT
+    if not isinstance(w.embed, QuantMatrix):
+        assert w.embed.dtype == quant.ACT and not quant.can_embed(quantize_matrix(w.embed, kind))
         return
-    dense = w.lm_head.rows(torch.arange(96))  # [vocab, hidden] float32
+    assert w.embed.has_rows and (w.embed is w.lm_head) == q.config.tie_word_embeddings
+    dense = w.embed.rows(torch.arange(96))  # [vocab, hidden] float32
     twin = NativeCausalLM(q.config, dataclasses.replace(w, embed=dense), q.dtype, quant=kind)
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(4))
     assert torch.equal(q.forward(ids, q.new_cache(9)), twin.forward(ids, twin.new_cache(9)))

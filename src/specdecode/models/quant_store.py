@@ -11,7 +11,7 @@ import torch
 
 from specdecode.models.quant import INT4_GROUP, QuantMatrix
 
-FORMAT = 3  # bump when the stored layout changes (2: w4a8 tiles of 32 columns; 3: tied lookups from the head)
+FORMAT = 4  # bump when the stored layout changes (2: w4a8 tiles of 32 columns; 4: quantized embeddings)
 
 Slots = dict[str, "torch.Tensor | QuantMatrix | None"]
 
