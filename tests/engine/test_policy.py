@@ -153,3 +153,22 @@ def test_auto_reach_and_unjudged_positions():
     deep = policy.cond[3]
     policy.update(4, 0, 0, 0, planned=4)  # the first draft rejected: positions 2-4 were not judged
     assert policy.cond[3] == deep and policy.cond[0] < 0.6
+
+
+def test_a_draft_model_reads_the_prompt_at_start_so_a_round_times_drafting_alone():
+    """The prompt goes through the draft model when a request starts (timed as prefill), so the
+    first round feeds one token per draft step like every later one. Left to the first round,
+    the prompt's cost was read as draft cost per token (the Qwen 0.5B: 80 ms a token against 24)
+    and the auto policy switched speculation off for good on that one measurement."""
+    from specdecode.core.sampling import SamplingConfig
+
+    draft = tiny_llama(vocab=6, seed=5)
+    fed: list[int] = []
+    forward = draft.forward
+    draft.forward = lambda ids, cache, **kw: (fed.append(int(ids.shape[1])), forward(ids, cache, **kw))[1]
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2]
+    state = DraftModelProposer(draft).start(prompt)
+    assert fed == [len(prompt)]
+    fed.clear()
+    out = state.propose(prompt + [3], 3, SamplingConfig(), None)
+    assert out.k == 3 and fed and all(n == 1 for n in fed), fed

@@ -194,7 +194,9 @@ class Request:
         spec = self.spec
         self.policy = copy.deepcopy(spec.policy) if spec.policy is not None else FixedK(spec.k)
         self.policy.reset()
+        t = time.perf_counter()  # a draft model reads the prompt here: prompt work, timed as prefill
         self.proposer = spec.proposer.start(self.prompt_ids, self.cache) if spec.proposer is not None else None
+        self.metrics.prefill_s += time.perf_counter() - t
         self.shadow = ShadowTracker(self.proposer, spec.k_max, self.config.sampling) if spec.shadow else None
         self.reads_features = self.proposer is not None and self.proposer.caps.reads_target_features
         self.status = PREFILL if len(self.prompt_ids) > 1 else RUNNING
