@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specdecode.bench.report import reference_stats
 from specdecode.errors import InputError
 
 BINARY = "llama-server"
+DEFAULT_K = 4  # llama.cpp's draft length when the run measures no fixed k
 START_TIMEOUT_S = 300.0  # loading a 1.5B GGUF and warming up takes ~10 s; a cold disk more
 
 
@@ -46,7 +48,14 @@ class LlamaServer:
     """One ``llama-server`` process over ``model`` (and ``draft``, drafting up to ``k`` tokens)."""
 
     def __init__(
-        self, binary: Path, model: Path, threads: int, context: int, log: Path, draft: Path | None = None, k: int = 4
+        self,
+        binary: Path,
+        model: Path,
+        threads: int,
+        context: int,
+        log: Path,
+        draft: Path | None = None,
+        k: int = DEFAULT_K,
     ) -> None:
         self.port = _free_port()
         cmd = [str(binary), "-m", str(model), "-t", str(threads), "-c", str(context), "-np", "1"]
@@ -138,33 +147,12 @@ class LlamaServer:
         return tokens, self._stats(len(ids), tokens, total, (first or start + total) - start, timings)
 
     def _stats(self, prompt: int, tokens: list[int], total: float, ttft: float, timings: dict) -> dict[str, Any]:
-        n = len(tokens)
         drafted, accepted = int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
-        calls = max(n - accepted, 0)  # each target call commits its accepted drafts plus one token
-        return {
-            "method": "llama.cpp",
-            "k": 0,
-            "policy": "llama.cpp",
-            "prompt_tokens": prompt,
-            "new_tokens": n,
-            "target_calls": calls,
-            "target_calls_per_token": calls / n if n else 0.0,
-            "drafted_tokens": drafted,
-            "accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted_length": n / calls if calls else 0.0,
-            "per_position_acceptance": [],
-            "accepted_length_histogram": {},
-            "prefill_s": float(timings.get("prompt_ms", 0.0)) / 1000,
-            "draft_s": None,
-            "verify_s": None,
-            "overhead_s": None,
-            "total_s": total,
-            "ttft_s": ttft,
-            "tpot_s": (total - ttft) / (n - 1) if n > 1 else 0.0,
-            "tokens_per_s": n / total if total else 0.0,
-            "peak_rss_mb": round(self.peak_rss_mb(), 1),
-        }
+        prefill = float(timings.get("prompt_ms", 0.0)) / 1000
+        rss = self.peak_rss_mb()
+        return reference_stats(
+            "llama.cpp", "llama.cpp", prompt, len(tokens), total, ttft, rss, drafted, accepted, prefill
+        )
 
     def close(self) -> None:
         if self.proc.poll() is None:

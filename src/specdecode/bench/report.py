@@ -29,6 +29,48 @@ def ours_speculative(method: str) -> bool:
     return method != "none" and method not in REFERENCE_LABELS
 
 
+def reference_stats(
+    method: str,
+    policy: str,
+    prompt_tokens: int,
+    new_tokens: int,
+    total_s: float,
+    ttft_s: float,
+    peak_rss_mb: float,
+    drafted: int = 0,
+    accepted: int = 0,
+    prefill_s: float | None = None,
+) -> dict[str, Any]:
+    """A reference cell's stats record, shaped like the engine's: no stage timings of ours, and
+    target calls derived from its counts (each call commits its accepted drafts plus one token)."""
+    n = new_tokens
+    calls = max(n - accepted, 0)
+    return {
+        "method": method,
+        "k": 0,
+        "policy": policy,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": n,
+        "target_calls": calls,
+        "target_calls_per_token": calls / n if n else 0.0,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": n / calls if calls else 0.0,
+        "per_position_acceptance": [],
+        "accepted_length_histogram": {},
+        "prefill_s": prefill_s,
+        "draft_s": None,
+        "verify_s": None,
+        "overhead_s": None,
+        "total_s": total_s,
+        "ttft_s": ttft_s,
+        "tpot_s": (total_s - ttft_s) / (n - 1) if n > 1 else 0.0,
+        "tokens_per_s": n / total_s if total_s else 0.0,
+        "peak_rss_mb": round(peak_rss_mb, 1),
+    }
+
+
 PLOTS = {
     "speedup_by_category": "speedup_by_category.png",
     "acceptance_by_position": "acceptance_by_position.png",

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.llama_cpp import find_binary
-from specdecode.bench.report import cell_label, ours_speculative
+from specdecode.bench.llama_cpp import DEFAULT_K, find_binary
+from specdecode.bench.report import cell_label, ours_speculative, reference_stats
 from specdecode.bench.workload import HUMANEVAL, WorkItem, default_workload_path, groups_in_order, load_workload, select
 from specdecode.core.dtypes import DRAFT_DTYPE_HELP, DTYPE_CHOICES, DTYPE_HELP, draft_default
 from specdecode.errors import ConfigError, InputError
@@ -36,7 +36,6 @@ CONF_SUFFIX = "+conf"  # e.g. "eagle+conf": chains stop before a token the draft
 COST_CONTEXT = 200  # cache length for the forward-cost curve
 AUTO_K_MAX = 8  # k_max the engine's auto policy uses by default
 LLAMA_CELLS = ("llama.cpp", "llama.cpp-draft")  # its plain decoding, its own draft-model speculation
-LLAMA_DEFAULT_K = 4  # llama.cpp's draft length when no fixed --k is measured
 
 # --quick uses one torch thread: on a small shared machine, OpenMP threads that outnumber free
 # cores make every forward many times slower and the timings meaningless.
@@ -378,32 +377,8 @@ def hf_generate(
     new = [int(t) for t in out[0, len(ids) :].tolist()]
     while new and eos and len(new) > 1 and new[-1] in eos and new[-2] in eos:  # padding after EOS
         new.pop()
-    n = len(new)
     ttft = (timer.first - start) if timer.first is not None else total
-    stats = {
-        "method": "hf",
-        "k": 0,
-        "policy": "none",
-        "prompt_tokens": len(ids),
-        "new_tokens": n,
-        "target_calls": n,
-        "target_calls_per_token": 1.0 if n else 0.0,
-        "drafted_tokens": 0,
-        "accepted_tokens": 0,
-        "acceptance_rate": 0.0,
-        "mean_accepted_length": 1.0 if n else 0.0,
-        "per_position_acceptance": [],
-        "accepted_length_histogram": {},
-        "prefill_s": None,
-        "draft_s": None,
-        "verify_s": None,
-        "overhead_s": None,
-        "total_s": total,
-        "ttft_s": ttft,
-        "tpot_s": (total - ttft) / (n - 1) if n > 1 else 0.0,
-        "tokens_per_s": n / total if total else 0.0,
-        "peak_rss_mb": round(peak_rss_mb(), 1),
-    }
+    stats = reference_stats("hf", "none", len(ids), len(new), total, ttft, peak_rss_mb())
     return new, stats
 
 
@@ -475,8 +450,8 @@ def plan_cells(opts: Options) -> list[Cell]:
 
 
 def llama_k(opts: Options) -> int:
-    """llama.cpp's draft length: the largest fixed k measured, else :data:`LLAMA_DEFAULT_K`."""
-    return max((k for k in opts.ks if isinstance(k, int)), default=LLAMA_DEFAULT_K)
+    """llama.cpp's draft length: the largest fixed k measured, else llama_cpp's ``DEFAULT_K``."""
+    return max((k for k in opts.ks if isinstance(k, int)), default=DEFAULT_K)
 
 
 def prompt_seed(seed: int, item: WorkItem) -> int:
@@ -740,7 +715,7 @@ def _llama_servers(
     started: dict[str, Any] = {}
     for kind, k in kinds.items():
         drafted = draft if kind == "llama.cpp-draft" else None
-        server = LlamaServer(Path(opts.llama_server), model, threads, context, logs / f"{kind}.log", drafted, k or 4)
+        server = LlamaServer(Path(opts.llama_server), model, threads, context, logs / f"{kind}.log", drafted, k)
         started[kind] = servers.enter_context(contextlib.closing(server))
     return started
 

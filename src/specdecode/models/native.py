@@ -238,7 +238,10 @@ def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quan
     if quant:
         tied = embed is head
         head = quantize_matrix(head, head_kind)
-        embed = head if tied and can_embed(head) else _embedding(embed, embed_kind)
+        if tied:  # the head's own quantized rows, else (torch's opaque int4) the same bf16 table as before
+            embed = head if can_embed(head) else embed.to(ACT)
+        else:
+            embed = _embedding(embed, embed_kind)
     layers = []
     for i in range(config.num_layers):
         kinds = {m: _kind(raw, quant, names) for m, names in _layer_sources(f"model.layers.{i}.").items()}

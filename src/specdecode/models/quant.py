@@ -316,10 +316,9 @@ def select_rows(m: QuantMatrix, ids: torch.Tensor) -> QuantMatrix | None:
         return QuantMatrix(m.kind, shape, (q[ids].contiguous(), scales[ids].contiguous()))
     if m.kind == "w8a8g":
         packed, scales = m.tensors
-        return _w8a8g(shape, int8dot.unpack_u8(packed, m.shape[0], m.shape[1])[ids], scales[ids])
+        return _w8a8g(shape, int8dot.u8_rows(packed, ids, m.shape[1]), scales[ids])
     if m.kind == "w4a8":
-        q, scale, zero = int8dot.unpack_u4(m.tensors[0], m.shape[0], m.shape[1])
-        return _w4a8(shape, q[ids], scale[ids], zero[ids])
+        return _w4a8(shape, *int8dot.u4_rows(m.tensors[0], ids, m.shape[1]))
     return None
 
 
