@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from specdecode.models import kernels
@@ -51,3 +52,26 @@ def test_the_machine_key_follows_the_thread_count():
         assert kernels.machine_key() != one
     finally:
         torch.set_num_threads(before)
+
+
+def test_choose_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built, ran = [], []
+
+    def make():
+        built.append(1)
+        return lambda option: (ran.append(option), sum(range(200_000 if option == "slow" else 10)))
+
+    assert kernels.choose("test-choice", ("slow", "fast"), make) == "fast" and built and ran
+    built.clear(), ran.clear()
+    assert kernels.choose("test-choice", ("slow", "fast"), make) == "fast" and built == [] and ran == []
+    # a cached answer that is no longer offered is measured again
+    assert kernels.choose("test-choice", ("slow", "quick"), make) == "quick" and built
+
+
+def test_the_int8dot_row_block_is_a_measured_candidate():
+    from specdecode.models import int8dot
+
+    if not int8dot.available():
+        pytest.skip(int8dot.unavailable_reason())
+    assert int8dot.row_block() in int8dot.BLOCKS

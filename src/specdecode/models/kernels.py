@@ -109,18 +109,17 @@ def _time_call(fn: Callable[[], object], evict: torch.Tensor) -> float:
     return best * 1e3
 
 
-def measure(name: str, call: Callable[[torch.Tensor], torch.Tensor], n_in: int, dtype: torch.dtype) -> RowPlan:
-    """The plan for kernel ``name`` (kind and shape): from the disk cache, else measured now."""
-    path = _cache_file()
+def _read_cache() -> dict:
     try:
-        cached = json.loads(path.read_text())
+        return json.loads(_cache_file().read_text())
     except (OSError, ValueError):
-        cached = {}
-    if name in cached:
-        return RowPlan(tuple((int(c), float(ms)) for c, ms in cached[name]))
-    evict = torch.empty(EVICT_BYTES // 4)
-    costs = tuple((c, _time_call(lambda c=c: call(torch.randn(c, n_in).to(dtype)), evict)) for c in CHUNKS)
-    cached[name] = [list(c) for c in costs]
+        return {}
+
+
+def _write_cache(name: str, value: object) -> None:
+    path = _cache_file()
+    cached = _read_cache()
+    cached[name] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -128,4 +127,37 @@ def measure(name: str, call: Callable[[torch.Tensor], torch.Tensor], n_in: int, 
         tmp.replace(path)
     except OSError:
         pass  # a read-only cache only costs a re-measurement next time
+
+
+def measure(name: str, call: Callable[[torch.Tensor], torch.Tensor], n_in: int, dtype: torch.dtype) -> RowPlan:
+    """The plan for kernel ``name`` (kind and shape): from the disk cache, else measured now."""
+    cached = _read_cache()
+    if name in cached:
+        return RowPlan(tuple((int(c), float(ms)) for c, ms in cached[name]))
+    evict = torch.empty(EVICT_BYTES // 4)
+    costs = tuple((c, _time_call(lambda c=c: call(torch.randn(c, n_in).to(dtype)), evict)) for c in CHUNKS)
+    _write_cache(name, [list(c) for c in costs])
     return RowPlan(costs)
+
+
+def choose(name: str, options: tuple[str, ...], make: Callable[[], Callable[[str], object]]) -> str:
+    """The fastest of ``options`` on this machine, from the disk cache, else measured now: ``make()``
+    builds the inputs (only when measuring) and returns a call that runs one option; each option is
+    timed best of ``REPEATS`` warm calls, so a compute-bound choice is timed without memory noise.
+    A cached answer that is no longer an option is measured again."""
+    cached = _read_cache().get(name)
+    if isinstance(cached, dict) and cached.get("chosen") in options:
+        return cached["chosen"]
+    call = make()
+    costs: dict[str, float] = {}
+    for option in options:
+        call(option)
+        best = float("inf")
+        for _ in range(REPEATS):
+            t = time.perf_counter()
+            call(option)
+            best = min(best, time.perf_counter() - t)
+        costs[option] = best * 1e3
+    chosen = min(costs, key=costs.__getitem__)
+    _write_cache(name, {"chosen": chosen, "ms": costs})
+    return chosen

@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.errors import ConfigError, ModelLoadError
-from specdecode.models import int8dot, quant_store
+from specdecode.models import hugepages, int8dot, quant_store
 from specdecode.models.base import ModelCaps
 from specdecode.models.gguf_source import GGUFTensors
 from specdecode.models.loading import LoadedModel, gguf_source
 from specdecode.models.quant import (
     ACT,
+    DOT_KINDS,
     QuantMatrix,
     act_dtype,
     can_embed,
@@ -251,6 +252,7 @@ def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quan
     weights = Weights(embed=embed, layers=layers, norm=norm, lm_head=head)
     if quant:
         weights.linear = quant_linear
+        into_huge_pages(weights)  # a store read back is placed as it loads
     if store is not None:
         quant_store.save(_to_slots(weights), store)
     return weights
@@ -319,6 +321,34 @@ def _quantize_layer(w: LayerWeights, kinds: dict[str, str]) -> LayerWeights:
         bgu=bias(w.bgu),
         bd=bias(w.bd),
     )
+
+
+def into_huge_pages(w: Weights) -> None:
+    """Move ``w``'s dense and quantized tensors into one huge-page arena in place (:mod:`hugepages`),
+    each swapped as it is copied so the originals are freed one by one; oneDNN-packed matrices stay.
+    A tied head stays the same object as the embedding."""
+
+    def parts(v: Any) -> list[torch.Tensor]:
+        ts = v.tensors if isinstance(v, QuantMatrix) else (v,)
+        return [t for t in ts if hugepages.placeable(t)]
+
+    slots = [("embed", w), ("norm", w), ("lm_head", w)] + [(n, layer) for layer in w.layers for n in _LAYER_FIELDS]
+    unique = {id(getattr(o, n)): getattr(o, n) for n, o in slots}
+    arena = hugepages.Arena.sized_for([t for v in unique.values() for t in parts(v)])
+    del unique
+    if arena is None:
+        return
+    moved: dict[int, Any] = {}  # id of an original -> its copy (a tied table is one object)
+    for name, owner in slots:
+        v = getattr(owner, name)
+        if id(v) not in moved:
+            if isinstance(v, QuantMatrix):
+                take = lambda t: arena.take(t) if hugepages.placeable(t) else t  # noqa: E731
+                moved[id(v)] = dataclasses.replace(v, tensors=tuple(take(t) for t in v.tensors))
+            else:
+                moved[id(v)] = arena.take(v) if hugepages.placeable(v) else v
+        setattr(owner, name, moved[id(v)])
+    hugepages.release_freed()
 
 
 def matrices(weights: Weights) -> list[Any]:
@@ -651,8 +681,10 @@ class NativeCausalLM:
         weights = load_weights(model_dir, config, dtype, quant)
         if quant is not None:
             plan_rows(quant_matrices(weights))
-        elif pack and not compile:  # dynamo cannot trace oneDNN's opaque packed tensors
-            pack_weights(weights)
+        else:
+            if pack and not compile:  # dynamo cannot trace oneDNN's opaque packed tensors
+                pack_weights(weights)
+            into_huge_pages(weights)  # what stays dense (a quantized model's are placed as loaded)
         model = cls(config, weights, dtype, quant=quant)
         if compile:
             model.enable_compile()
@@ -670,6 +702,10 @@ class NativeCausalLM:
             out[name] = ", ".join(f"{n} rows as {'+'.join(map(str, m.plan.split(n)))}" for n in rows)
         if any(not isinstance(m, QuantMatrix) for m in matrices(w)):
             out["bf16 fallback"] = "F.linear (int kernel unavailable or shape unsupported)"
+        if any(m.kind in DOT_KINDS for m in quant_matrices(w)):
+            out["int8dot"] = f"{int8dot.row_block()} rows per pass over a tile (measured)"
+        huge = hugepages.resident_huge_bytes(w.norm)
+        out["huge pages"] = f"{huge / 1e6:.0f} MB of weights" if huge else "none (4 KiB pages)"
         return out
 
     def enable_compile(self) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.models import hugepages
 from specdecode.models.quant import INT4_GROUP, QuantMatrix
 
 FORMAT = 4  # bump when the stored layout changes (2: w4a8 tiles of 32 columns; 4: quantized embeddings)
@@ -45,16 +46,23 @@ def save(slots: Slots, path: Path) -> None:
 def load(path: Path) -> Slots | None:
     """The slots saved at ``path``, or None when there is no readable store.
 
-    ``torch.load`` without a memory map reads each tensor into its own aligned allocation, so
-    peak memory is the model once (a memory-mapped safetensors file counted twice, and torch's
-    int8 kernel crashed on one of its unaligned tensors); ``weights_only`` refuses anything but
-    tensors and plain containers.
+    Where huge pages are on (:mod:`hugepages`) the file is memory-mapped and each tensor copied
+    into one huge-page arena, its file pages dropped as it is copied, so the peak is the model
+    once. Otherwise ``torch.load`` without a memory map reads each tensor into its own aligned
+    allocation (a memory-mapped safetensors file counted twice, and torch's int8 kernel crashed on
+    one of its unaligned tensors). No tensor is left on the file mapping. ``weights_only``
+    refuses anything but tensors and plain containers.
     """
     if not path.exists():
         return None
+    mapped = hugepages.available()  # read through a file mapping straight into huge pages
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
         layout, tensors = json.loads(data["layout"]), data["tensors"]
+        arena = hugepages.Arena.sized_for([t for t in tensors.values() if hugepages.placeable(t)])
+        if arena is not None:
+            place = lambda t: arena.take(t, drop_source=True) if hugepages.placeable(t) else t.clone()  # noqa: E731
+            tensors = {k: place(t) for k, t in tensors.items()}
         slots: Slots = {}
         for name, entry in layout.items():
             if entry["kind"] == "dense":
