@@ -60,3 +60,22 @@ def test_bad_dtype_list_and_missing_llama_bench_are_reported(tmp_path, capsys):
         parse_args(["--dtypes", "fp32,int3"])
     assert "unknown dtype 'int3'" in capsys.readouterr().err
     assert "not a GGUF" in llama_bench("/nonexistent/llama-bench", tmp_path, 1, 4)["error"]
+
+
+def test_a_4k_pages_variant_loads_the_same_weights_off_huge_pages(tmp_path):
+    import argparse
+
+    import torch
+    from models.test_native import make_checkpoint
+
+    from specdecode.bench.decode import build_variants, parse_args
+    from specdecode.models import hugepages
+
+    assert parse_args(["--dtypes", "fp32,fp32@4k"]).dtypes == ["fp32", "fp32@4k"]
+    folder, _ = make_checkpoint(tmp_path, "qwen2-qkv-bias")
+    args = argparse.Namespace(no_transformers=True, dtypes=["fp32", "fp32@4k"], compile=False, quick=True)
+    runners, natives = build_variants(args, folder, 1)
+    assert set(natives) == {"fp32", "fp32@4k"} and "native fp32@4k" in runners
+    assert hugepages.resident_huge_bytes(natives["fp32@4k"].weights.norm) == 0
+    assert runners["native fp32"]([1, 2, 3], 4) == runners["native fp32@4k"]([1, 2, 3], 4)
+    assert torch.equal(natives["fp32"].weights.norm, natives["fp32@4k"].weights.norm)

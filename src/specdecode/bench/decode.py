@@ -10,6 +10,7 @@ floor and peak RSS. Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -25,12 +26,14 @@ import torch
 
 from specdecode.core.dtypes import QUANT_DTYPES
 from specdecode.metrics import peak_rss_mb
+from specdecode.models import hugepages
 from specdecode.models.quant import act_dtype
 
 Runner = Callable[[list[int], int], list[int]]  # (prompt ids, new tokens) -> generated ids
 K_VALUES = (1, 2, 4, 8, 16, 32)
 CURVE_CONTEXT = 200  # cached tokens under the forward-cost curve
 BATCH_SIZES = (4, 16)  # sequences per forward for the batched-throughput rows
+PAGES_4K = "@4k"  # a variant suffix: the same weights left on 4 KiB pages, to price huge pages side by side
 NATIVE_DTYPES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None)} | {
     q: (act_dtype(q), q) for q in QUANT_DTYPES
 }
@@ -68,15 +71,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="also time torch.compile variants (slow to build)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--model", default=None, help="GGUF, catalog name or transformers folder (default: SmolLM2)")
-    p.add_argument("--dtypes", default="fp32,bf16,int8,int4", help="native variants, comma-separated")
+    p.add_argument(
+        "--dtypes",
+        default="fp32,bf16,int8,int4",
+        help=f"native variants, comma-separated; DTYPE{PAGES_4K} keeps that variant's weights off huge pages",
+    )
     p.add_argument("--no-transformers", action="store_true", help="skip transformers generate (large models)")
     p.add_argument("--llama-bench", default=None, help="path of a llama-bench binary: llama.cpp on the same GGUF")
     p.add_argument("--skip-batched", action="store_true", help="skip the continuous-batching rows")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    unknown = [d for d in args.dtypes if d not in NATIVE_DTYPES]
+    unknown = [d for d in args.dtypes if d.removesuffix(PAGES_4K) not in NATIVE_DTYPES]
     if unknown:
-        p.error(f"unknown dtype {unknown[0]!r} in --dtypes; choose from {', '.join(NATIVE_DTYPES)}")
+        p.error(f"unknown dtype {unknown[0]!r} in --dtypes; choose from {', '.join(NATIVE_DTYPES)} (each may end {PAGES_4K})")
     args.prompts_per_category = args.prompts_per_category or (1 if args.quick else 2)
     args.max_new_tokens = args.max_new_tokens or (32 if args.quick else 128)
     return args
@@ -175,8 +182,9 @@ def build_variants(args: argparse.Namespace, model_dir: Path, threads: int) -> t
         runners["transformers fp32"] = hf_runner(transformers_dir(model_dir))
     natives: dict[str, Any] = {}
     for label in args.dtypes:
-        dtype, quant = NATIVE_DTYPES[label]
-        natives[label] = NativeCausalLM.from_pretrained(model_dir, dtype=dtype, quant=quant)
+        dtype, quant = NATIVE_DTYPES[label.removesuffix(PAGES_4K)]
+        with hugepages.off() if label.endswith(PAGES_4K) else contextlib.nullcontext():
+            natives[label] = NativeCausalLM.from_pretrained(model_dir, dtype=dtype, quant=quant)
         runners[f"native {label}"] = native_runner(natives[label])
         if args.compile and not args.quick and quant is None:
             compiled = NativeCausalLM.from_pretrained(model_dir, dtype=dtype, compile=True)

@@ -2,8 +2,8 @@
 
 A decode step streams every weight once. With 4 KiB pages the 1.5B's 1.1 GB are ~280,000 pages a
 token: a TLB miss at each, and the hardware prefetcher stops at every page boundary. On a 2-core
-Xeon, 550 MB of u4 tiles streamed at 20 GB/s from 4 KiB pages and at 25 GB/s from huge pages
-(BENCHMARKS.md, "Huge pages"). torch's allocator asks for huge pages only when
+Xeon, 550 MB of u4 tiles streamed at 19 GB/s from 4 KiB pages and at 22 GB/s from huge pages,
+and a 1-token forward of the Qwen 1.5B took 52 ms against 48 (BENCHMARKS.md, "Huge pages"). torch's allocator asks for huge pages only when
 ``THP_MEM_ALLOC_ENABLE`` is set before torch starts, which a library cannot arrange, so
 :func:`place` copies tensors into one anonymous mapping advised ``MADV_HUGEPAGE`` and returns
 views of it. The bytes are the same, so every output is bitwise unchanged.
@@ -14,10 +14,12 @@ has no transparent huge pages (not Linux, or ``never``), nothing is copied.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,6 +46,20 @@ def available() -> bool:
     if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
         return False
     return hasattr(mmap, "MADV_HUGEPAGE") and mode() in ("always", "madvise")
+
+
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """Within the block, :func:`available` is False (models loaded there stay on 4 KiB pages)."""
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
 
 
 def _span(t: torch.Tensor) -> int:
