@@ -350,6 +350,34 @@ def test_quick_sweep_writes_every_output_and_ends_with_one_json_line(tiny_run):
     assert "bench-serve, T=0" in tiny_run["stdout"]  # the human-readable table precedes the JSON line
 
 
+def test_a_draft_model_given_once_serves_the_draft_and_hybrid_cells(tmp_path):
+    """``--draft`` loads a second model once; the draft cells run on it (every request completes,
+    drafts are accepted), the hybrid takes it as its second source, and the config names it."""
+    save_tiny_llama(tmp_path / "target")
+    save_tiny_llama(tmp_path / "draft", seed=1, layers=1)
+    workload = tmp_path / "work.jsonl"
+    workload.write_text("\n".join(json.dumps(r) for r in WORKLOAD) + "\n")
+    out = tmp_path / "out"
+    argv = ["bench-serve", "--quick", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
+    argv += ["--workload", str(workload), "--out", str(out), "--methods", "none,draft-k2,hybrid-k2"]
+    argv += ["--concurrency", "2", "--requests", "2", "--max-new-tokens", "8"]
+    rc, stdout, stderr = run_cli(argv)
+    assert rc == 0, stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["draft"]["source"].endswith("draft") and not results["skipped"]
+    cells = {c["arm"]: c for c in results["cells"]}
+    assert set(cells) == {"none", "draft-k2", "hybrid-k2"}
+    assert all(c["completed"] == 2 for c in cells.values())
+    assert sum(r["drafted_tokens"] or 0 for r in cells["draft-k2"]["request_records"]) > 0
+
+
+def test_url_refuses_a_draft_model(tmp_path):
+    rc, stdout, stderr = run_cli(
+        ["bench-serve", "--url", "http://127.0.0.1:9", "--draft", "x", "--out", str(tmp_path / "o")]
+    )
+    assert rc == 2 and stderr.strip().startswith("error: ") and "--draft" in stderr
+
+
 @pytest.mark.parametrize(
     "argv",
     [

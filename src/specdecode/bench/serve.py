@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=DTYPE_HELP,
     )
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="a draft model (catalog name or path) for the draft method and the hybrid's second source",
+    )
     p.add_argument("--threads", default=None, help="torch CPU threads (default: free cores; 1 with --quick)")
     p.add_argument(
         "--concurrency",
@@ -205,6 +210,7 @@ class Options:
     seed: int
     url: str | None = None
     api_key: str | None = None
+    draft: str | None = None  # a draft model for draft / hybrid arms, loaded once beside the target
     slo_ms: tuple[float, float] = (2000.0, 200.0)  # (TTFT, TPOT) a request must meet to count as goodput
     repeats: int = 1  # runs of every cell, interleaved; throughput pooled, latencies of the median run
 
@@ -334,6 +340,7 @@ def parse_options(argv: list[str]) -> Options:
         repeats=_int(args.repeats, "--repeats"),
         url=args.url,
         api_key=args.api_key,
+        draft=args.draft,
         slo_ms=(
             _float(args.slo_ttft_ms, "--slo-ttft-ms", positive=True),
             _float(args.slo_tpot_ms, "--slo-tpot-ms", positive=True),
@@ -397,15 +404,16 @@ class Arm:
             "k_table": None if self.table is None else BatchTableK(*self.table).describe(),
         }
 
-    def speculation(self, target: Any) -> Any:
-        """A fresh proposer prototype and policy for one cell (a proposer's corpus never leaks across cells)."""
+    def speculation(self, target: Any, draft: Any = None) -> Any:
+        """A fresh proposer prototype and policy for one cell (a proposer's corpus never leaks across
+        cells); ``draft``: the loaded draft model of ``--draft``, shared by every cell."""
         from specdecode.api import make_proposer
         from specdecode.engine import Speculation, TreeConfig
         from specdecode.engine.policy import FixedK, make_policy
 
         if self.method == "none":
             return Speculation()
-        proposer = make_proposer(self.method, target, **self.options)
+        proposer = make_proposer(self.method, target, draft, **self.options)
         if self.kind == "table":
             assert self.table is not None
             policy: Any = BatchTableK(*self.table)
@@ -645,8 +653,8 @@ def open_loop(target: ServeTarget, requests: Sequence[LoadRequest], arrivals: Se
 class EngineTarget:
     """The in-process engine as a serving target: a fresh engine (and proposer) per cell."""
 
-    def __init__(self, loaded: Any, max_batch: int) -> None:
-        self.loaded, self.max_batch = loaded, max_batch
+    def __init__(self, loaded: Any, max_batch: int, draft: Any = None) -> None:
+        self.loaded, self.max_batch, self.draft = loaded, max_batch, draft
         self.engine: Any = None
         self.skew = 0.0  # idle time skipped (Poisson mode) instead of slept
 
@@ -669,7 +677,7 @@ class EngineTarget:
             tokenizer=loaded.tokenizer,
             config=EngineConfig(max_batch=self.max_batch),
         )
-        self.spec = arm.speculation(loaded)
+        self.spec = arm.speculation(loaded, self.draft)
         self.sampling = SamplingConfig(temperature=temperature)
         self.by_id: dict[int, int] = {}
         warm = encode_prompt(loaded.tokenizer, WARM_TEXT)[:16] or [0, 0]
@@ -791,11 +799,18 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         set_threads(opts.threads)
         host = host_info()
         target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
+        draft = None
+        if opts.draft is not None:
+            if opts.url is not None:
+                raise ConfigError("--draft loads a draft model in process; with --url the server brings its own")
+            from specdecode.models.loading import load_draft
+
+            draft = load_draft(opts.draft, target.dtype)
         arms, skipped = [], []
         for spec in opts.arms:
             try:
                 arm = resolve_arm(spec, target, opts)
-                arm.speculation(target).check(target.model)  # fails now, not mid-sweep
+                arm.speculation(target, draft).check(target.model)  # fails now, not mid-sweep
                 if opts.url is not None:
                     from specdecode.bench.http_target import speculative_field
 
@@ -831,7 +846,7 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         requests = [
             LoadRequest(i, p["ids"], opts.max_new_tokens, request_seed(opts.seed, i)) for i, p in enumerate(prompts)
         ]
-        engine_target = build_target(opts, target)
+        engine_target = build_target(opts, target, draft)
         plan = [(t, point) for t in opts.temperatures for point in opts.points]
         console.print(
             f"bench-serve: {len(arms)} methods x {len(opts.points)} load points x {len(opts.temperatures)} "
@@ -867,6 +882,7 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
                 "workload": str(Path(opts.workload).resolve()) if opts.workload else str(default_workload_path()),
                 "target": target.source,
                 "dtype": target.dtype,  # as loaded (auto resolved)
+                "draft": None if draft is None else {"source": draft.source, "dtype": draft.dtype},
                 "backend": getattr(target.model, "backend", opts.backend),
                 "load_points": [p.to_dict() for p in opts.points],
                 "temperatures": opts.temperatures,
@@ -904,14 +920,14 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         torch.set_num_threads(threads_before)
 
 
-def build_target(opts: Options, loaded: Any) -> ServeTarget:
+def build_target(opts: Options, loaded: Any, draft: Any = None) -> ServeTarget:
     """What the load is driven against: the in-process engine, or a server over HTTP (``--url``;
     prompts are still tokenized here, with the target's tokenizer)."""
     if opts.url is not None:
         from specdecode.bench.http_target import HttpTarget
 
         return HttpTarget(opts.url, opts.api_key)
-    return EngineTarget(loaded, opts.max_batch)
+    return EngineTarget(loaded, opts.max_batch, draft)
 
 
 def run_cell(
