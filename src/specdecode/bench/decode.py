@@ -83,7 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     unknown = [d for d in args.dtypes if d.removesuffix(PAGES_4K) not in NATIVE_DTYPES]
     if unknown:
-        p.error(f"unknown dtype {unknown[0]!r} in --dtypes; choose from {', '.join(NATIVE_DTYPES)} (each may end {PAGES_4K})")
+        p.error(
+            f"unknown dtype {unknown[0]!r} in --dtypes; choose from {', '.join(NATIVE_DTYPES)} (each may end {PAGES_4K})"
+        )
     args.prompts_per_category = args.prompts_per_category or (1 if args.quick else 2)
     args.max_new_tokens = args.max_new_tokens or (32 if args.quick else 128)
     return args
