@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ def mode() -> str | None:
 
 
 def available() -> bool:
-    """Whether :func:`place` puts tensors in huge pages here (else it returns them unchanged)."""
+    """Whether weights go into huge pages here (:meth:`Arena.sized_for` gives no arena otherwise)."""
     if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
         return False
     return hasattr(mmap, "MADV_HUGEPAGE") and mode() in ("always", "madvise")
@@ -93,18 +94,22 @@ class Arena:
         self._untrimmed = 0
 
     @classmethod
-    def sized_for(cls, tensors: list[torch.Tensor]) -> "Arena | None":
-        """An arena holding ``tensors``, or None where huge pages are off or there is nothing to hold."""
-        total = sum(_span(t) for t in tensors)
+    def sized_for(cls, tensors: Iterable[torch.Tensor | None]) -> "Arena | None":
+        """An arena holding the :func:`placeable` ones of ``tensors``, or None where huge pages are
+        off or there is nothing to hold."""
+        total = sum(_span(t) for t in tensors if placeable(t))
         return cls(total) if total and available() else None
 
-    def take(self, t: torch.Tensor, drop_source: bool = False) -> torch.Tensor:
-        """A contiguous copy of ``t`` in the arena: same dtype, shape and bytes.
+    def take(self, t: torch.Tensor | None, drop_source: bool = False) -> torch.Tensor | None:
+        """A contiguous copy of ``t`` in the arena (same dtype, shape and bytes); ``t`` itself when
+        it is not :func:`placeable` (None, empty, oneDNN-packed).
 
         ``drop_source`` then drops ``t``'s whole pages from this process (``MADV_DONTNEED``), for a
         ``t`` read from a file mapping (``torch.load(mmap=True)``): those pages re-read from the
         file if touched again, and the peak stays the weights once. Never for anonymous memory,
         whose dropped pages would read back as zeros."""
+        if not placeable(t):
+            return t
         n = t.numel() * t.element_size()
         if self._at + _span(t) > self._end:
             raise ValueError("hugepages.Arena: more bytes taken than it was sized for")
@@ -120,23 +125,26 @@ class Arena:
         return view
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)  # the process's own symbols: the C library's madvise and malloc_trim
+
+
 def _drop_pages(t: torch.Tensor) -> None:
     page = mmap.PAGESIZE
     start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     lo, hi = -(-start // page) * page, end // page * page  # whole pages only
     if hi > lo:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
+        _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
 
 
 def release_freed() -> None:
     """Hand freed heap pages back to the OS: glibc keeps frees under its (dynamic, up to 32 MB)
     mmap threshold in its heap, so without this the originals a move frees would stay resident
     beside their copies and the peak would be the weights twice."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator manages on its own
-        pass
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:  # glibc only; other allocators manage on their own
+        trim(0)
 
 
 def resident_huge_bytes(t: torch.Tensor) -> int:

@@ -94,15 +94,16 @@ def _cache_file() -> Path:
 EVICT_BYTES = 64 << 20  # more than any x86 L3 we run on: weights come from memory, as in a real step
 
 
-def _time_call(fn: Callable[[], object], evict: torch.Tensor) -> float:
+def _time_call(fn: Callable[[], object], evict: torch.Tensor | None = None) -> float:
     """Best of ``REPEATS`` calls, each after ``evict`` (larger than the caches) was overwritten: a
     model's matrices do not stay cached between two uses, so a warm-cache timing would price a
     second pass over the same weights as nearly free and split rows into calls that each stream
-    the matrix again."""
+    the matrix again. Without ``evict``, warm calls (a compute-bound choice)."""
     fn()  # warm: first calls allocate
     best = float("inf")
     for _ in range(REPEATS):
-        evict.fill_(1.0)
+        if evict is not None:
+            evict.fill_(1.0)
         t = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t)
@@ -149,15 +150,7 @@ def choose(name: str, options: tuple[str, ...], make: Callable[[], Callable[[str
     if isinstance(cached, dict) and cached.get("chosen") in options:
         return cached["chosen"]
     call = make()
-    costs: dict[str, float] = {}
-    for option in options:
-        call(option)
-        best = float("inf")
-        for _ in range(REPEATS):
-            t = time.perf_counter()
-            call(option)
-            best = min(best, time.perf_counter() - t)
-        costs[option] = best * 1e3
+    costs = {option: _time_call(lambda option=option: call(option)) for option in options}
     chosen = min(costs, key=costs.__getitem__)
     _write_cache(name, {"chosen": chosen, "ms": costs})
     return chosen

@@ -327,28 +327,26 @@ def into_huge_pages(w: Weights) -> None:
     """Move ``w``'s dense and quantized tensors into one huge-page arena in place (:mod:`hugepages`),
     each swapped as it is copied so the originals are freed one by one; oneDNN-packed matrices stay.
     A tied head stays the same object as the embedding."""
-
-    def parts(v: Any) -> list[torch.Tensor]:
-        ts = v.tensors if isinstance(v, QuantMatrix) else (v,)
-        return [t for t in ts if hugepages.placeable(t)]
-
     slots = [("embed", w), ("norm", w), ("lm_head", w)] + [(n, layer) for layer in w.layers for n in _LAYER_FIELDS]
-    unique = {id(getattr(o, n)): getattr(o, n) for n, o in slots}
-    arena = hugepages.Arena.sized_for([t for v in unique.values() for t in parts(v)])
-    del unique
+    values = {id(v): v for v in (getattr(owner, name) for name, owner in slots)}  # a tied table once
+    arena = hugepages.Arena.sized_for(t for v in values.values() for t in _tensors(v))
+    del values
     if arena is None:
         return
-    moved: dict[int, Any] = {}  # id of an original -> its copy (a tied table is one object)
+    moved: dict[int, Any] = {}  # id of an original -> its copy
     for name, owner in slots:
         v = getattr(owner, name)
         if id(v) not in moved:
-            if isinstance(v, QuantMatrix):
-                take = lambda t: arena.take(t) if hugepages.placeable(t) else t  # noqa: E731
-                moved[id(v)] = dataclasses.replace(v, tensors=tuple(take(t) for t in v.tensors))
-            else:
-                moved[id(v)] = arena.take(v) if hugepages.placeable(v) else v
+            is_quant = isinstance(v, QuantMatrix)
+            moved[id(v)] = (
+                dataclasses.replace(v, tensors=tuple(map(arena.take, v.tensors))) if is_quant else arena.take(v)
+            )
         setattr(owner, name, moved[id(v)])
     hugepages.release_freed()
+
+
+def _tensors(v: Any) -> tuple[Any, ...]:
+    return v.tensors if isinstance(v, QuantMatrix) else (v,)
 
 
 def matrices(weights: Weights) -> list[Any]:

@@ -50,7 +50,7 @@ def load(path: Path) -> Slots | None:
     into one huge-page arena, its file pages dropped as it is copied, so the peak is the model
     once. Otherwise ``torch.load`` without a memory map reads each tensor into its own aligned
     allocation (a memory-mapped safetensors file counted twice, and torch's int8 kernel crashed on
-    one of its unaligned tensors). No tensor is left on the file mapping. ``weights_only``
+    one of its unaligned tensors). ``weights_only``
     refuses anything but tensors and plain containers.
     """
     if not path.exists():
@@ -59,10 +59,9 @@ def load(path: Path) -> Slots | None:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
         layout, tensors = json.loads(data["layout"]), data["tensors"]
-        arena = hugepages.Arena.sized_for([t for t in tensors.values() if hugepages.placeable(t)])
+        arena = hugepages.Arena.sized_for(tensors.values())
         if arena is not None:
-            place = lambda t: arena.take(t, drop_source=True) if hugepages.placeable(t) else t.clone()  # noqa: E731
-            tensors = {k: place(t) for k, t in tensors.items()}
+            tensors = {k: arena.take(t, drop_source=True) for k, t in tensors.items()}
         slots: Slots = {}
         for name, entry in layout.items():
             if entry["kind"] == "dense":
