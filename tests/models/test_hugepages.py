@@ -89,3 +89,23 @@ def test_moving_twice_keeps_values_and_packed_matrices_stay(tmp_path, monkeypatc
     before = model.forward(torch.tensor([[3, 1, 4]]), model.new_cache(3))
     into_huge_pages(model.weights)
     assert torch.equal(model.forward(torch.tensor([[3, 1, 4]]), model.new_cache(3)), before)
+
+
+@needs_madvise
+def test_a_fresh_quantization_is_stored_then_placed_and_reads_back_the_same(tmp_path, monkeypatch):
+    """The first load of a GGUF quantizes and writes the store, then moves into the arena (the
+    arena's one storage viewed as several dtypes cannot be pickled); the second load reads the store."""
+    from test_native import make_checkpoint
+
+    from specdecode.models import native, quant_store
+
+    folder, _ = make_checkpoint(tmp_path, "qwen2-qkv-bias")
+    monkeypatch.setattr(native, "gguf_source", lambda _: folder / "model.gguf")  # stored as a GGUF's would be
+    monkeypatch.setattr(native, "_tensor_source", lambda d, _: native._read_tensors(d))
+    monkeypatch.setenv(hugepages.ENV, "1")
+    kind = "w4a8" if int8dot.available() else "int8"
+    first = NativeCausalLM.from_pretrained(folder, dtype=act_dtype(kind), quant=kind, pack=False)
+    assert quant_store.store_path(folder, kind).exists()
+    second = NativeCausalLM.from_pretrained(folder, dtype=act_dtype(kind), quant=kind, pack=False)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    assert torch.equal(first.forward(ids, first.new_cache(5)), second.forward(ids, second.new_cache(5)))

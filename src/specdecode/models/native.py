@@ -252,9 +252,10 @@ def load_weights(model_dir: Path, config: NativeConfig, dtype: torch.dtype, quan
     weights = Weights(embed=embed, layers=layers, norm=norm, lm_head=head)
     if quant:
         weights.linear = quant_linear
-        into_huge_pages(weights)  # a store read back is placed as it loads
-    if store is not None:
+    if store is not None:  # before the arena: torch.save refuses one storage viewed as several dtypes
         quant_store.save(_to_slots(weights), store)
+    if quant:
+        into_huge_pages(weights)  # a store read back is placed as it loads
     return weights
 
 
