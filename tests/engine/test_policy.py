@@ -155,11 +155,13 @@ def test_auto_reach_and_unjudged_positions():
     assert policy.cond[3] == deep and policy.cond[0] < 0.6
 
 
-def test_a_draft_model_reads_the_prompt_at_start_so_a_round_times_drafting_alone():
-    """The prompt goes through the draft model when a request starts (timed as prefill), so the
-    first round feeds one token per draft step like every later one. Left to the first round,
-    the prompt's cost was read as draft cost per token (the Qwen 0.5B: 80 ms a token against 24)
-    and the auto policy switched speculation off for good on that one measurement."""
+def test_a_draft_model_reads_the_prompt_in_catch_up_so_a_round_times_drafting_alone():
+    """Starting a request reads nothing; ``catch_up`` (timed by the engine as prefill) reads the
+    prompt, so the first round feeds one token per draft step like every later one. Left to the
+    first round, the prompt's cost was read as draft cost per token (the Qwen 0.5B: 80 ms a token
+    against 24) and the auto policy switched speculation off for good on that one measurement.
+    After rounds that did not draft, catch_up reads what they committed; after a drafting round
+    it reads nothing."""
     from specdecode.core.sampling import SamplingConfig
 
     draft = tiny_llama(vocab=6, seed=5)
@@ -168,7 +170,17 @@ def test_a_draft_model_reads_the_prompt_at_start_so_a_round_times_drafting_alone
     draft.forward = lambda ids, cache, **kw: (fed.append(int(ids.shape[1])), forward(ids, cache, **kw))[1]
     prompt = [1, 2, 3, 4, 5, 0, 1, 2]
     state = DraftModelProposer(draft).start(prompt)
-    assert fed == [len(prompt)]
+    assert fed == []  # a request kept at k = 0 never pays for the draft's prompt read
+    context = prompt + [3]
+    state.catch_up(context)
+    assert fed == [len(context) - 1]
     fed.clear()
-    out = state.propose(prompt + [3], 3, SamplingConfig(), None)
+    out = state.propose(context, 3, SamplingConfig(), None)
     assert out.k == 3 and fed and all(n == 1 for n in fed), fed
+    context += out.tokens[0].tolist() + [0]  # all accepted, then the bonus token
+    fed.clear()
+    state.catch_up(context)
+    assert fed == []  # a drafting round's leftovers (the last draft, the bonus) go with the next round
+    context += [1, 2, 3, 4]  # four rounds at k = 0
+    state.catch_up(context)
+    assert fed == [len(context) - 1 - (len(prompt) + 1 + 2)]  # everything since the cached drafts

@@ -309,6 +309,26 @@ def test_auto_k_switches_off_as_the_batch_grows():
     assert k[48] == 0.0  # off, and no probe forced on a batch where even the prior would not pay
 
 
+def test_a_draft_model_kept_off_by_the_planner_never_reads_a_prompt():
+    """Under a load where the planner drafts nothing, a draft model is never run: its prompt is
+    read only before a request's first drafting round (``catch_up``), not when it starts."""
+    target, draft = tiny_native(vocab=8, seed=5, layers=2), tiny_native(vocab=8, seed=6, layers=1)
+    calls: list[int] = []
+    forward_rows, forward = draft.forward_rows, draft.forward
+    draft.forward_rows = lambda ids, *a, **kw: (calls.append(len(ids)), forward_rows(ids, *a, **kw))[1]
+    draft.forward = lambda ids, *a, **kw: (calls.append(1), forward(ids, *a, **kw))[1]
+    engine = Engine(target, config=EngineConfig(max_batch=64))
+    for n in (1, 2, 4, 8):
+        engine.costs.observe(n, 0.01 * n)
+    engine.costs.observe(600, 6.0)
+    engine.costs.ema = 0.0
+    spec = Speculation(DraftModelProposer(draft), policy=make_policy("auto", 4))
+    ps = [[1, 2, 3, 1, 2, 3, 1, 2]] * 48
+    out = engine.generate(ps, GenerationConfig(max_new_tokens=6), spec)
+    assert engine.k_by_batch_size()[48] == 0.0 and calls == []
+    assert all(r.token_ids == alone(target, ps[0], 6) for r in out)
+
+
 # -- the real model ------------------------------------------------------------------------------
 
 

@@ -194,9 +194,7 @@ class Request:
         spec = self.spec
         self.policy = copy.deepcopy(spec.policy) if spec.policy is not None else FixedK(spec.k)
         self.policy.reset()
-        t = time.perf_counter()  # a draft model reads the prompt here: prompt work, timed as prefill
         self.proposer = spec.proposer.start(self.prompt_ids, self.cache) if spec.proposer is not None else None
-        self.metrics.prefill_s += time.perf_counter() - t
         self.shadow = ShadowTracker(self.proposer, spec.k_max, self.config.sampling) if spec.shadow else None
         self.reads_features = self.proposer is not None and self.proposer.caps.reads_target_features
         self.status = PREFILL if len(self.prompt_ids) > 1 else RUNNING
@@ -235,6 +233,14 @@ class Request:
 
     def clip(self, k: int) -> int:
         return max(0, min(k, self.config.max_new_tokens - self.output.count - 1))
+
+    def catch_up(self) -> None:
+        """Before a round that drafts (or shadow-drafts): the proposer reads the context it has
+        not seen (a draft model's prompt), timed as prefill since it is prompt work, not drafting."""
+        if self.proposer is not None and self.proposer.caps.catches_up and (self.k > 0 or self.shadow is not None):
+            t = time.perf_counter()
+            self.proposer.catch_up(self.context)
+            self.metrics.prefill_s += time.perf_counter() - t
 
     def propose(self) -> None:
         """Draft this round's candidates (``self.k`` of them at most); timed into ``draft_s``."""

@@ -270,6 +270,7 @@ class Engine:
         its requests' chains in one call (one multi-row draft forward per draft step)."""
         groups: dict[int, list[Request]] = {}
         for r in decoding:
+            r.catch_up()
             if r.k > 0 and r.spec.tree is None and r.shadow is None and r.proposer.caps.batched_drafting:
                 groups.setdefault(id(r.spec.proposer), []).append(r)
             else:

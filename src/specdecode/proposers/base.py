@@ -30,6 +30,7 @@ class ProposerCaps:
     batched_drafting: bool = False  # the shared object's propose_batch(states, contexts, ks, samplings, gens)
     confidence: bool = False  # takes confidence_threshold (a chain that stops at unsure tokens)
     needs_native: bool = False  # only runs on the native backend
+    catches_up: bool = False  # catch_up(context) reads unseen context (the prompt) before a drafting round
 
 
 @runtime_checkable
@@ -51,6 +52,13 @@ class Proposer(Protocol):
 
     def observe(self, num_accepted: int) -> None:
         """How many of the last proposal's tokens the target accepted."""
+        ...
+
+    def catch_up(self, context: list[int]) -> None:
+        """Read the committed context this state has not seen yet (a draft model's prompt, the
+        tokens of rounds it did not draft) before a round that drafts. Called only where
+        ``caps.catches_up``; the engine times it as prefill, so a round's draft time stays the
+        price of drafting alone. A request that never drafts never pays for it."""
         ...
 
     def finish(self, context: list[int]) -> None:
@@ -86,6 +94,9 @@ class PerRequest:
         pass
 
     def finish(self, context: list[int]) -> None:
+        pass
+
+    def catch_up(self, context: list[int]) -> None:
         pass
 
     def stats(self) -> dict:

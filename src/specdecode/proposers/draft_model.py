@@ -19,6 +19,8 @@ from specdecode.errors import ConfigError
 from specdecode.models.base import CausalLM
 from specdecode.proposers.base import PerRequest, ProposerCaps
 
+_ROUND_FEED = 2  # the most tokens a round feeds the draft after a round that drafted
+
 
 class DraftModelProposer(PerRequest):
     """Samples k tokens autoregressively from the draft with the target's sampling settings.
@@ -33,7 +35,7 @@ class DraftModelProposer(PerRequest):
     """
 
     name = "draft"
-    caps = ProposerCaps(trees=True, batched_drafting=True, confidence=True)
+    caps = ProposerCaps(trees=True, batched_drafting=True, confidence=True, catches_up=True)
 
     def __init__(
         self,
@@ -56,31 +58,39 @@ class DraftModelProposer(PerRequest):
         self.cached: list[int] = []  # tokens whose keys/values sit in the draft cache
         self.agreed = 0  # cached[:agreed] is known to equal the committed context
 
-    # Whether ``reset`` runs the prompt through the draft model at once (with the target's
-    # prefill): a round's draft time is then drafting alone. Left to the first round, the prompt
-    # made the first draft look ~20x dearer per token than it is (the Qwen 0.5B: 80 ms against
-    # 24), and a cost-aware k policy switched speculation off for good on that one measurement.
-    prefills_prompt = True
-
     def reset(self, prompt_ids: list[int]) -> None:
-        # Caches grow on demand; start with room for the prompt and a typical answer.
+        # Caches grow on demand; start with room for the prompt and a typical answer. The prompt
+        # is read by ``catch_up`` before the first round that drafts: never, where a batch
+        # planner keeps this request at k = 0.
         self.cache = self.model.new_cache(min(self.max_length, len(prompt_ids) + 512))
         self.cached = []
         self.agreed = 0
-        if self.prefills_prompt and prompt_ids:
-            self._sync(list(prompt_ids))
+
+    def _kept(self, context: list[int]) -> int:
+        """How much of the cache agrees with ``context`` (always refeeding its last token)."""
+        # Context only grows by appending, so what agreed last round still agrees.
+        keep = min(self.agreed, len(context) - 1)
+        limit = min(len(self.cached), len(context) - 1)
+        while keep < limit and self.cached[keep] == context[keep]:
+            keep += 1
+        return keep
 
     def _fresh(self, context: list[int]) -> list[int]:
         """Trim the cache to its longest prefix agreeing with ``context``; the tokens to feed."""
-        # Context only grows by appending, so what agreed last round still agrees.
-        keep = min(self.agreed, len(context) - 1)
-        limit = min(len(self.cached), len(context) - 1)  # always refeed at least one token
-        while keep < limit and self.cached[keep] == context[keep]:
-            keep += 1
+        keep = self._kept(context)
         self.cache.trim(keep)
         self.cached = list(context)
         self.agreed = len(context)
         return context[keep:]
+
+    def catch_up(self, context: list[int]) -> None:
+        """Feed all but the last token of ``context`` where a round would feed more than one
+        following a drafting round does (a rejection's correction, or the last draft and the
+        bonus token): the prompt, or what was committed while this request did not draft.
+        Left to the round, that read was priced as drafting (the Qwen 0.5B's prompt: 80 ms a
+        drafted token against 24) and a cost-aware k policy switched speculation off for good."""
+        if len(context) - self._kept(context) > _ROUND_FEED:
+            self._sync(context[:-1])
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Bring the cache up to ``context``; the logits after its last token ([1, vocab])."""

@@ -33,8 +33,8 @@ def exit_model(target, layers: int):
 
 class EarlyExitProposer(DraftModelProposer):
     name = "early-exit"
+    # no catch_up: its layers' keys and values come from the target's own prefill
     caps = ProposerCaps(trees=True, batched_drafting=True, confidence=True, shares_target_cache=True, needs_native=True)
-    prefills_prompt = False  # its layers' keys and values come from the target's own prefill
 
     def __init__(self, target, layers: int | None = None, **options) -> None:
         if target.backend != "native":

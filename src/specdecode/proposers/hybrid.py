@@ -39,6 +39,7 @@ class HybridProposer(PerRequest):
             confidence=True,
             needs_native=inner.needs_native,
             shares_target_cache=inner.shares_target_cache,
+            catches_up=inner.catches_up,
         )
         self.rounds = {"lookup": 0, "drafter": 0, "short": 0}  # which source drafted, in this request
         self._source = "drafter"
@@ -59,6 +60,9 @@ class HybridProposer(PerRequest):
 
     def stats(self) -> dict:
         return {"hybrid_rounds": dict(self.rounds), **self.drafter.stats()}
+
+    def catch_up(self, context: list[int]) -> None:
+        self.drafter.catch_up(context)
 
     def observe_forward(self, ids, positions, mask, hidden) -> None:
         self.drafter.observe_forward(ids, positions, mask, hidden)

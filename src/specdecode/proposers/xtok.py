@@ -33,7 +33,7 @@ class CrossTokenizerProposer(PerRequest):
     """
 
     name = "xtok"
-    caps = ProposerCaps()
+    caps = ProposerCaps(catches_up=True)
 
     def __init__(
         self,
@@ -61,6 +61,13 @@ class CrossTokenizerProposer(PerRequest):
     def reset(self, prompt_ids: list[int]) -> None:
         self.cache = self.model.new_cache(self.max_length)
         self.cached = []
+
+    def catch_up(self, context: list[int]) -> None:
+        """The prompt, re-tokenized for the draft, read before the first round that drafts."""
+        if not self.cached and self.cache is not None:
+            dids = list(self.dtok.encode(self.ttok.decode(context, **_DECODE), add_special_tokens=False))
+            if len(dids) > 1:
+                self._sync(dids[:-1])
 
     def _sync(self, ids: list[int]) -> torch.Tensor:
         """Keep the cached draft tokens' longest common prefix with ``ids``; feed the rest."""
