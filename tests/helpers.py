@@ -43,6 +43,20 @@ def tiny_llama(vocab: int = 6, seed: int = 0, layers: int = 2):
     return HFCausalLM(LlamaForCausalLM(config).eval())
 
 
+def wide_checkpoint(folder, seed: int = 3, vocab: int = 16) -> None:
+    """A small random Llama whose matrices read 1024 inputs: wide enough that oneDNN's
+    bf16 matmul gives a row different bits when the rows beside it change (K >= 1024 here),
+    so a test over it sees whether prompt chunks are multiplied one call each."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=1024, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
 def byte_tokenizer():
     """A byte-level tokenizer (256 bytes + <s>, </s>), built offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -21,6 +21,7 @@ from specdecode.engine.planner import Candidate, ForwardCosts, plan
 from specdecode.engine.policy import AutoK, make_policy
 from specdecode.engine.request import DONE, PREFILL, RUNNING, WAITING
 from specdecode.errors import ConfigError, InputError, QueueFullError
+from specdecode.models import int8dot
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.proposers.early_exit import EarlyExitProposer
 from specdecode.proposers.suffix import SuffixProposer
@@ -95,6 +96,33 @@ def test_mixed_speculation_in_one_batch_is_greedy_identical():
     draft_rounds = requests[3].result.stats["target_calls"]
     assert requests[3].result.stats["mean_accepted_length"] > 0 and draft_rounds < 24
     assert requests[8].result.stats["shadow_rounds"] > 0 and requests[8].result.stats["target_calls"] == 24
+
+
+@pytest.mark.skipif(not int8dot.available(), reason="w4a8 needs the int8dot kernels")
+def test_long_prompts_on_prompt_copies_are_greedy_identical_alone_and_in_a_batch(tmp_path):
+    """Prompt chunks of 32+ rows on a w4a8 target's bf16 copies (chunked, several per step)
+    decode exactly as each request alone, with and without speculation."""
+    from helpers import wide_checkpoint
+    from specdecode.models.native import NativeCausalLM
+
+    wide_checkpoint(tmp_path)
+    target = NativeCausalLM.from_pretrained(tmp_path, quant="w4a8", prompt_copies=True)
+    assert "bf16" in target.kernels()["prompt chunks"]
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randint(0, 16, (n,), generator=g).tolist() for n in (70, 45, 3, 100, 33)]
+    ps = [p[:20] + p[:20] + p[20:] for p in ps]  # repeats for the n-gram drafts
+    specs = [None, Speculation(NgramProposer(), k=4), None, Speculation(SuffixProposer(), k=3), None]
+    settings = EngineConfig(prefill_chunk=48)  # a chunk's bits depend on its length: the same chunks alone
+
+    def run(batch, spec_of):
+        engine = Engine(target, config=settings)
+        out = [engine.submit(p, GenerationConfig(max_new_tokens=12), spec_of(i)) for i, p in enumerate(batch)]
+        engine.run()
+        return [r.result.token_ids for r in out]
+
+    expected = [run([p], lambda _: None)[0] for p in ps]
+    assert run(ps, lambda i: specs[i]) == expected
+    assert [run([p], lambda _, s=s: s)[0] for p, s in zip(ps, specs)] == expected
 
 
 def test_batched_drafting_matches_drafting_alone():

@@ -26,6 +26,7 @@ from specdecode.models.quant import (
     DOT_KINDS,
     QuantMatrix,
     act_dtype,
+    attach_prompt_copy,
     can_embed,
     embed_rows,
     plan_rows,
@@ -548,6 +549,7 @@ def _decoder(
     d: _Dims,
     last_rows: list[int] | None = None,
     hidden: list | None = None,
+    lin: Linear | None = None,
 ) -> torch.Tensor:
     """All layers, final norm and output head: float32 ``x`` [n, hidden] -> logits [n, vocab].
 
@@ -557,7 +559,7 @@ def _decoder(
     The residual stream stays float32 whatever the matrices' dtype (cheap next to the matmuls,
     and bf16 text then tracks fp32 text more closely).
     """
-    lin = weights.linear
+    lin = lin or weights.linear
     for i, w in enumerate(weights.layers):
         x = x + _attention(x, w, lin, i, seqs, rope, d)
         x = x + _mlp(x, w, lin, d)
@@ -568,6 +570,79 @@ def _decoder(
             return x.new_zeros(0, weights.embed.shape[0])
         x = x[last_rows]
     return lin(_norm(x, weights.norm, d), weights.lm_head, None)
+
+
+# -- prompt chunks on bf16 copies ------------------------------------------------------------------
+# A prompt chunk of many rows makes the int8dot kernels compute-bound (~0.7 int8 TOPS on 2 Xeon
+# cores), where oneDNN's bf16 matmul over a packed copy of the same matrix runs ~3x faster (AMX).
+# Exactness needs only that a chunk's rows come out the same alone and in any batch: the copy
+# multiplies each chunk in its own call, whose result depends on the chunk alone (its length is
+# fixed by the prompt and the chunk size), and every other row goes to the int8dot kernels as before.
+
+PROMPT_ROWS_MIN = 32  # shorter chunks stay on int8dot (measured crossover ~16 rows on the Xeon)
+PROMPT_COPIES_ENV = "SPECDECODE_PROMPT_COPIES"  # 0: never make them, 1: always (else measured)
+
+
+class _PromptRows:
+    """``Weights.linear`` for one forward whose rows ``spans`` ([lo, hi) each) are prompt chunks."""
+
+    def __init__(self, base: Linear, spans: list[tuple[int, int]], n: int) -> None:
+        self.base, self.spans, self.n = base, spans, n
+        covered = torch.zeros(n, dtype=torch.bool)
+        for lo, hi in spans:
+            covered[lo:hi] = True
+        self.rest = (~covered).nonzero().squeeze(-1)  # [rows not in a chunk]
+
+    def __call__(self, x: torch.Tensor, w: Any, b: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(w, QuantMatrix) or w.prompt_copy is None or x.shape[0] != self.n:
+            return self.base(x, w, b)  # the output head (last rows only) and matrices without a copy
+        if len(self.spans) == 1 and self.rest.numel() == 0:
+            y = w.prompt_mm(x)
+        else:
+            y = x.new_empty(self.n, w.shape[0], dtype=torch.float32)  # [n, out]
+            if self.rest.numel():
+                y[self.rest] = self.base(x[self.rest], w, None).float()
+            for lo, hi in self.spans:
+                y[lo:hi] = w.prompt_mm(x[lo:hi])
+        return y if b is None else y + b
+
+
+def prompt_copies_pay() -> bool:
+    """Whether bf16 prompt copies beat the int8dot kernels on this machine's prompt chunks:
+    ``SPECDECODE_PROMPT_COPIES`` if set, else measured once (64 rows by a gate/up-sized matrix)
+    and cached (:func:`~specdecode.models.kernels.choose`); never without oneDNN's bf16 packing."""
+    import os
+
+    forced = os.environ.get(PROMPT_COPIES_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    if not int8dot.available() or not _packing_works(torch.randn(64, 64).bfloat16()):
+        return False
+    from specdecode.models.kernels import choose
+
+    def make() -> Callable[[str], None]:
+        m = quantize_matrix(torch.randn(17920, 1536) * 0.02, "w4a8")
+        attach_prompt_copy(m)
+        x = torch.randn(64, 1536)
+        return lambda option: m.prompt_mm(x) if option == "bf16" else m(x)
+
+    return choose("prompt-rows", ("int8dot", "bf16"), make) == "bf16"
+
+
+def attach_prompt_copies(weights: Weights) -> int:
+    """Give every layer matrix on the int8dot kernels its bf16 prompt copy; bytes added."""
+    todo = [
+        m
+        for layer in weights.layers
+        for m in (layer.wqkv, layer.wo, layer.wgu, layer.wd)
+        if isinstance(m, QuantMatrix) and m.kind in DOT_KINDS and m.prompt_copy is None
+    ]
+    if not todo:
+        return 0
+    staging = torch.empty(max(m.shape[0] * m.shape[1] for m in todo), dtype=torch.bfloat16)
+    for m in todo:
+        attach_prompt_copy(m, staging)
+    return sum(2 * m.shape[0] * m.shape[1] for m in todo)
 
 
 # -- prepacked matrices -------------------------------------------------------------------------
@@ -650,6 +725,8 @@ class NativeCausalLM:
         )
         self._inv_freq = inv_freq(config.rope, config.head_dim)
         self._decoder: Callable[..., torch.Tensor] = _decoder
+        first = weights.layers[0].wqkv if weights.layers else None
+        self._prompt_copies = isinstance(first, QuantMatrix) and first.prompt_copy is not None
 
     @classmethod
     def from_pretrained(
@@ -659,6 +736,7 @@ class NativeCausalLM:
         compile: bool = False,
         pack: bool = True,
         quant: str | None = None,
+        prompt_copies: bool | None = None,
     ) -> "NativeCausalLM":
         """Load a transformers folder (config.json + safetensors); ModelLoadError if unsupported.
 
@@ -668,6 +746,9 @@ class NativeCausalLM:
         "int4", "w8a8", "w4a8") runs quantized matrices (``dtype`` must then be their activations'
         dtype, :func:`~specdecode.models.quant.act_dtype`: bfloat16, float32 for w4a8), each
         splitting its rows as measured fastest on this machine (:mod:`specdecode.models.kernels`).
+        ``prompt_copies`` (int8dot kinds; default: where :func:`prompt_copies_pay`) keeps a bf16
+        copy of every layer matrix for prompt chunks of :data:`PROMPT_ROWS_MIN`+ rows, 2 bytes a
+        weight (a draft model, whose prompt is read with one-row logits, gets none).
         """
         model_dir = Path(model_dir)
         cfg = read_config(model_dir)
@@ -680,6 +761,8 @@ class NativeCausalLM:
         weights = load_weights(model_dir, config, dtype, quant)
         if quant is not None:
             plan_rows(quant_matrices(weights))
+            if prompt_copies if prompt_copies is not None else prompt_copies_pay():
+                attach_prompt_copies(weights)
         else:
             if pack and not compile:  # dynamo cannot trace oneDNN's opaque packed tensors
                 pack_weights(weights)
@@ -705,6 +788,10 @@ class NativeCausalLM:
             out["int8dot"] = f"{int8dot.row_block()} rows per pass over a tile (measured)"
         huge = hugepages.resident_huge_bytes(w.norm)
         out["huge pages"] = f"{huge / 1e6:.0f} MB of weights" if huge else "none (4 KiB pages)"
+        copies = sum(2 * m.shape[0] * m.shape[1] for m in quant_matrices(w) if m.prompt_copy is not None)
+        out["prompt chunks"] = (
+            f"{PROMPT_ROWS_MIN}+ rows on bf16 oneDNN copies ({copies / 1e6:.0f} MB)" if copies else "int8dot"
+        )
         return out
 
     def enable_compile(self) -> bool:
@@ -799,7 +886,9 @@ class NativeCausalLM:
                 keep = [1 if last_only else s.hi - s.lo for s in seqs]
             last = [i for s, n in zip(seqs, keep) for i in range(s.hi - n, s.hi)]
             hidden: list[torch.Tensor] | None = [] if return_hidden else None
-            logits = self._run(torch.cat(ids), torch.cat(pos), seqs, None if len(last) == lo else last, hidden)
+            chunks = [(s.lo, s.hi) for s, n in zip(seqs, keep) if n == 0 and s.hi - s.lo >= PROMPT_ROWS_MIN]
+            lin = _PromptRows(self.weights.linear, chunks, lo) if chunks and self._prompt_copies else None
+            logits = self._run(torch.cat(ids), torch.cat(pos), seqs, None if len(last) == lo else last, hidden, lin)
         except BaseException:
             for cache, start in done:
                 cache.trim(start)
@@ -819,12 +908,14 @@ class NativeCausalLM:
         seqs: list[_Seq],
         last_rows: list[int] | None,
         hidden: list | None,
+        lin: Linear | None = None,
     ) -> torch.Tensor:
         """Embed ``ids`` [n] at ``positions`` [n] and run the decoder; float32 logits [rows, vocab]."""
         cos, sin = cos_sin(self._inv_freq, positions, torch.float32)
         x = embed_rows(self.weights.embed, ids)  # [n, hidden] float32
         rope = (cos[:, None], sin[:, None])  # broadcast over heads
-        return self._decoder(x, self.weights, seqs, rope, self._dims, last_rows, hidden).float()
+        extra = () if lin is None else (lin,)  # a compiled decoder (float matrices) never gets one
+        return self._decoder(x, self.weights, seqs, rope, self._dims, last_rows, hidden, *extra).float()
 
     @staticmethod
     def _mask(start: int, n: int, attn_mask: torch.Tensor | None) -> torch.Tensor | None:

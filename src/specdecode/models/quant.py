@@ -134,8 +134,9 @@ def _on_grid(unit: torch.Tensor, steps: torch.Tensor | float) -> torch.Tensor:
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    group = q.shape[1] // scale.shape[1]
-    return (q.float() - 8) * scale.float().repeat_interleave(group, 1) + zero.float().repeat_interleave(group, 1)
+    n, groups = scale.shape
+    g = q.view(n, groups, -1).float().sub_(8)  # [out, groups, group]; one temporary, scaled in place
+    return g.mul_(scale.float()[..., None]).add_(zero.float()[..., None]).view(q.shape)
 
 
 # -- matrices -----------------------------------------------------------------------------------
@@ -149,6 +150,9 @@ class QuantMatrix:
     shape: tuple[int, int]  # (out, in)
     tensors: tuple[torch.Tensor, ...]
     plan: RowPlan = field(default_factory=RowPlan)
+    # A oneDNN-packed bf16 copy of the dequantized matrix for prompt chunks (attach_prompt_copy):
+    # at 64+ rows the int8dot kernels are compute-bound, and AMX/bf16 runs ~3x faster there.
+    prompt_copy: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         act = act_dtype(self.kind)
@@ -179,6 +183,39 @@ class QuantMatrix:
             packed, scale = self.tensors
             y = int8dot.u8_mm(x, packed, scale, (padded, n_in))
         return y if padded == out else y[:, :out]
+
+    def prompt_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [n, in] by the prompt copy -> float32 [n, out]; a row's result depends only on
+        ``x`` and n (a prompt chunk's length), never on other requests' rows."""
+        xb = x.to(torch.bfloat16)
+        if xb.shape[0] == 1:  # oneDNN's one-row kernel differs from its multi-row one: keep one
+            return torch.ops.mkldnn._linear_pointwise(xb.expand(2, -1), self.prompt_copy, None, "none", [], "")[
+                :1
+            ].float()
+        return torch.ops.mkldnn._linear_pointwise(xb, self.prompt_copy, None, "none", [], "").float()
+
+    def dequantized(
+        self, dtype: torch.dtype = torch.float32, block: int = 256, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The whole matrix [out, in] in ``dtype``, each value as :meth:`rows` reads it (float32,
+        then rounded), made ``block`` rows at a time so the float32 temporaries stay in cache;
+        written into the front of ``into`` (flat, ``dtype``) where given: a buffer reused for
+        many matrices is faulted in once."""
+        out, n_in = self.shape
+        if self.kind not in DOT_KINDS:
+            return self.rows(torch.arange(out)).to(dtype)
+        result = torch.empty(out, n_in, dtype=dtype) if into is None else into[: out * n_in].view(out, n_in)
+        flat = self.tensors[0].view(-1)
+        per_row = flat.numel() // _padded(out, self.kind)  # tile bytes per output row
+        for lo in range(0, out, block):  # block is a multiple of both tile heights
+            n = min(block, out - lo)
+            tiles = flat[lo * per_row : (lo + _padded(n, self.kind)) * per_row]
+            if self.kind == "w4a8":
+                part = dequantize_int4(*int8dot.unpack_u4(tiles, n, n_in))
+            else:
+                part = int8dot.unpack_u8(tiles, n, n_in).float().mul_(self.tensors[1][lo : lo + n, None])
+            result[lo : lo + n] = part
+        return result
 
     @property
     def has_rows(self) -> bool:
@@ -356,3 +393,9 @@ def plan_rows(matrices: list[QuantMatrix]) -> dict[str, RowPlan]:
             plans[name] = measure(name, m._mm, m.shape[1], act_dtype(m.kind))
         m.plan = plans[name]
     return plans
+
+
+def attach_prompt_copy(m: QuantMatrix, staging: torch.Tensor | None = None) -> None:
+    """Give ``m`` its bf16 prompt copy (2 bytes per weight on top of its 0.5-1), oneDNN-packed;
+    ``staging`` (flat bf16, at least the matrix's size) holds the plain copy on its way."""
+    m.prompt_copy = torch.ops.mkldnn._reorder_linear_weight(m.dequantized(torch.bfloat16, into=staging))
