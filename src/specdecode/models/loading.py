@@ -206,10 +206,7 @@ def load_model(
         if reason is None:
             quant = dtype if dtype in QUANT_DTYPES else None
             torch_dtype = act_dtype(quant) if quant else DTYPES[dtype]
-            # a draft's prompt is read with one-row logits: no prompt copies for it
-            model = native.NativeCausalLM.from_pretrained(
-                model_dir, dtype=torch_dtype, quant=quant, prompt_copies=False if draft else None
-            )
+            model = native.NativeCausalLM.from_pretrained(model_dir, dtype=torch_dtype, quant=quant)
             return LoadedModel(model=model, tokenizer=tokenizer, source=str(model_dir), dtype=dtype)
         if backend == "native" or dtype in QUANT_DTYPES:
             raise ModelLoadError(f"the native backend cannot run {model_dir}: {reason}")

@@ -748,7 +748,7 @@ class NativeCausalLM:
         splitting its rows as measured fastest on this machine (:mod:`specdecode.models.kernels`).
         ``prompt_copies`` (int8dot kinds; default: where :func:`prompt_copies_pay`) keeps a bf16
         copy of every layer matrix for prompt chunks of :data:`PROMPT_ROWS_MIN`+ rows, 2 bytes a
-        weight (a draft model, whose prompt is read with one-row logits, gets none).
+        weight (a draft model's too: its ``catch_up`` reads the prompt as a chunk).
         """
         model_dir = Path(model_dir)
         cfg = read_config(model_dir)

@@ -89,8 +89,13 @@ class DraftModelProposer(PerRequest):
         bonus token): the prompt, or what was committed while this request did not draft.
         Left to the round, that read was priced as drafting (the Qwen 0.5B's prompt: 80 ms a
         drafted token against 24) and a cost-aware k policy switched speculation off for good."""
-        if len(context) - self._kept(context) > _ROUND_FEED:
-            self._sync(context[:-1])
+        if len(context) - self._kept(context) <= _ROUND_FEED:
+            return
+        fresh = torch.tensor(self._fresh(context[:-1]), dtype=torch.long)
+        if self.model.caps.rows:  # a prompt chunk: no logits wanted (and its fast path, if any)
+            self.model.forward_rows([fresh], [self.cache], keep=[0])
+        else:
+            self.model.forward(fresh[None], self.cache, last_only=True)
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Bring the cache up to ``context``; the logits after its last token ([1, vocab])."""
