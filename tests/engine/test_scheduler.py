@@ -303,6 +303,29 @@ def test_planner_speculates_on_a_flat_curve_and_stops_when_rows_get_expensive():
     assert plan([good, poor], 0, 0.0, flat)[1] <= 1
 
 
+def test_a_one_time_read_before_the_first_draft_is_charged_once():
+    """A draft model's unread prompt (its share for this step) is priced with the first draft
+    only: large, it keeps the request at k = 0; once read, the drafts are priced as before."""
+    costs = ForwardCosts()
+    for n in (1, 2, 4, 8):
+        costs.observe(n, 0.01 + 0.001 * n)
+    accept = [0.9, 0.81, 0.73, 0.66]
+    assert plan([Candidate(accept, 0.001, 4, setup_s=0.05)], 0, 0.0, costs) == [0]
+    assert plan([Candidate(accept, 0.001, 4, setup_s=0.001)], 0, 0.0, costs) == [4]
+    assert plan([Candidate(accept, 0.001, 4)], 0, 0.0, costs) == [4]
+
+
+def test_the_engine_learns_what_a_draft_models_prompt_read_costs():
+    target, draft = tiny_native(vocab=8, seed=5, layers=2), tiny_native(vocab=8, seed=6, layers=1)
+    spec = Speculation(DraftModelProposer(draft), policy=make_policy("auto", 4))
+    engine = Engine(target)
+    first = engine.submit(list(range(8)) * 3, GenerationConfig(max_new_tokens=6), spec)
+    second = engine.submit([1, 2, 3], GenerationConfig(max_new_tokens=6), spec)
+    engine.run()
+    assert first.result is not None and second.result is not None
+    assert engine.read_rates[id(spec.proposer)] > 0  # the 23-token prompt read, per token
+
+
 def test_a_stale_request_is_probed_only_where_optimism_pays():
     """Off for a while, a request is judged with its acceptance raised to the prior: on a flat
     curve that brings drafting back (to re-measure); in a saturated batch nothing is forced on it."""

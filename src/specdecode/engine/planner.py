@@ -7,6 +7,8 @@ the first i drafts are all accepted) and costs d_r per drafted token. The step's
     (sum_r E_r(k_r)) / (c(N_other + sum_r (k_r + 1)) + sum_r d_r k_r)
 
 and k is raised one draft at a time, always where it helps the rate most, until no draft helps.
+A request whose drafter must first read context it has not seen (a draft model's prompt) also
+pays its share of that read with its first draft, so a busy batch does not start it for little.
 Small batches on a flat c(N) then speculate fully; as the batch grows c(N) steepens, the extra
 rows stop paying, and speculation switches itself off (k = 0), with no table to tune.
 """
@@ -98,6 +100,9 @@ class Candidate:
     draft_s_per_token: float
     k_max: int
     reach_by_position: Sequence[float] | None = None
+    # Seconds this step pays before the request's first draft (a draft model reading the
+    # context it has not seen), its share of a one-time cost: charged with the first draft only.
+    setup_s: float = 0.0
 
     def reach(self, i: int) -> float:
         return 1.0 if self.reach_by_position is None else self.reach_by_position[i]
@@ -145,7 +150,8 @@ def plan(
             if k >= c.k_max:
                 continue
             s = c.reach(k)
-            r = (tokens + c.gain(k)) / (forward(rows + s) + draft + c.draft_s_per_token * s)
+            extra = c.draft_s_per_token * s + (c.setup_s if k == 0 else 0.0)
+            r = (tokens + c.gain(k)) / (forward(rows + s) + draft + extra)
             if r > best_rate * (1 + 1e-9):
                 best, best_rate, best_s = i, r, s
         if best < 0:
@@ -153,6 +159,6 @@ def plan(
         c = candidates[best]
         tokens += c.gain(ks[best])
         rows += best_s
-        draft += c.draft_s_per_token * best_s
+        draft += c.draft_s_per_token * best_s + (c.setup_s if ks[best] == 0 else 0.0)
         ks[best] += 1
         rate = best_rate

@@ -174,6 +174,7 @@ class Request:
         self.fed = 0  # prompt tokens (of prompt[:-1]) in the target cache
         self.cache: KVCache | None = None
         self.k = 0  # drafts wanted this step
+        self.read_upto = 0  # context length the proposer had read at its last drafting round
         self.off_steps = 0  # consecutive planned steps at k = 0 (to probe acceptance again)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -234,13 +235,26 @@ class Request:
     def clip(self, k: int) -> int:
         return max(0, min(k, self.config.max_new_tokens - self.output.count - 1))
 
-    def catch_up(self) -> None:
+    def unread(self) -> int:
+        """Committed tokens the proposer has not read (a draft model's prompt, rounds at k = 0)
+        and would read in ``catch_up`` before drafting; 0 for proposers that read nothing."""
+        if self.proposer is None or not self.proposer.caps.catches_up:
+            return 0
+        n = len(self.context) - self.read_upto
+        return n if n > 2 else 0  # a drafting round's own leftovers go with the round
+
+    def catch_up(self) -> tuple[int, float]:
         """Before a round that drafts (or shadow-drafts): the proposer reads the context it has
-        not seen (a draft model's prompt), timed as prefill since it is prompt work, not drafting."""
-        if self.proposer is not None and self.proposer.caps.catches_up and (self.k > 0 or self.shadow is not None):
-            t = time.perf_counter()
-            self.proposer.catch_up(self.context)
-            self.metrics.prefill_s += time.perf_counter() - t
+        not seen (a draft model's prompt), timed as prefill since it is prompt work, not drafting.
+        Returns (tokens it had not read, seconds) for the engine's price of such reads."""
+        if self.proposer is None or not self.proposer.caps.catches_up or (self.k == 0 and self.shadow is None):
+            return 0, 0.0
+        n, t = self.unread(), time.perf_counter()
+        self.proposer.catch_up(self.context)
+        seconds = time.perf_counter() - t
+        self.metrics.prefill_s += seconds
+        self.read_upto = len(self.context)
+        return n, seconds
 
     def propose(self) -> None:
         """Draft this round's candidates (``self.k`` of them at most); timed into ``draft_s``."""

@@ -97,6 +97,7 @@ class Engine:
         self.running: list[Request] = []
         self.reserved = 0  # cache positions held by running requests
         self.costs = ForwardCosts()
+        self.read_rates: dict[int, float] = {}  # a proposer's measured seconds per context token it reads
         self.steps: deque[StepRecord] = deque(maxlen=self.config.step_log)
         self._next_id = 0
 
@@ -251,12 +252,27 @@ class Engine:
             # not pay (a saturated batch), no probe is forced on it: held off is plain decoding.
             stale = r.off_steps + 1 >= self.config.probe_every
             accept = r.policy.optimistic_accept_by_position() if stale else r.policy.accept_by_position()
-            candidates.append(
-                Candidate(accept, self._draft_cost(r), r.clip(r.policy.k_max), r.policy.reach_by_position())
-            )
+            k_max, reach = r.clip(r.policy.k_max), r.policy.reach_by_position()
+            candidates.append(Candidate(accept, self._draft_cost(r), k_max, reach, self._setup_cost(r)))
         for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.costs, prefill_rows)):
             r.k = k
             r.off_steps = r.off_steps + 1 if k == 0 else 0
+
+    def _setup_cost(self, r: Request) -> float:
+        """This step's share of the context read a request pays before it drafts again (its
+        draft model's prompt): seconds per token measured on earlier reads by the same proposer,
+        spread over the tokens the request still has to make. 0 until one read was measured."""
+        unread = r.unread()
+        rate = self.read_rates.get(id(r.spec.proposer))
+        if not unread or rate is None:
+            return 0.0
+        return rate * unread / max(r.config.max_new_tokens - r.output.count, 1)
+
+    def _priced_read(self, r: Request, tokens: int, seconds: float) -> None:
+        if tokens >= 8:  # long enough to time (a prompt, a stretch at k = 0)
+            key, rate = id(r.spec.proposer), seconds / tokens
+            old = self.read_rates.get(key)
+            self.read_rates[key] = rate if old is None else 0.7 * old + 0.3 * rate
 
     def _draft_cost(self, r: Request) -> float:
         """Seconds per drafted token: this request's own measurements, else a small share of c(1)."""
@@ -270,7 +286,7 @@ class Engine:
         its requests' chains in one call (one multi-row draft forward per draft step)."""
         groups: dict[int, list[Request]] = {}
         for r in decoding:
-            r.catch_up()
+            self._priced_read(r, *r.catch_up())
             if r.k > 0 and r.spec.tree is None and r.shadow is None and r.proposer.caps.batched_drafting:
                 groups.setdefault(id(r.spec.proposer), []).append(r)
             else:
