@@ -313,6 +313,9 @@ def test_a_one_time_read_before_the_first_draft_is_charged_once():
     assert plan([Candidate(accept, 0.001, 4, setup_s=0.05)], 0, 0.0, costs) == [0]
     assert plan([Candidate(accept, 0.001, 4, setup_s=0.001)], 0, 0.0, costs) == [4]
     assert plan([Candidate(accept, 0.001, 4)], 0, 0.0, costs) == [4]
+    # before any read was timed, one request a step reads (setup 0), the others wait (inf)
+    pair = [Candidate(accept, 0.001, 4, setup_s=0.0), Candidate(accept, 0.001, 4, setup_s=float("inf"))]
+    assert plan(pair, 0, 0.0, costs) == [4, 0]
 
 
 def test_the_engine_learns_what_a_draft_models_prompt_read_costs():

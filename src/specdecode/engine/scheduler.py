@@ -246,25 +246,32 @@ class Engine:
             other_tokens += max(r.metrics.committed_tokens / max(r.metrics.target_calls, 1), 1.0)
         if not planned:
             return
-        candidates = []
+        candidates, unpriced = [], set()
         for r in planned:
             # Off for a while: judge the request as if unmeasured. Where even that optimism would
             # not pay (a saturated batch), no probe is forced on it: held off is plain decoding.
             stale = r.off_steps + 1 >= self.config.probe_every
             accept = r.policy.optimistic_accept_by_position() if stale else r.policy.accept_by_position()
             k_max, reach = r.clip(r.policy.k_max), r.policy.reach_by_position()
-            candidates.append(Candidate(accept, self._draft_cost(r), k_max, reach, self._setup_cost(r)))
+            candidates.append(Candidate(accept, self._draft_cost(r), k_max, reach, self._setup_cost(r, unpriced)))
         for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.costs, prefill_rows)):
             r.k = k
             r.off_steps = r.off_steps + 1 if k == 0 else 0
 
-    def _setup_cost(self, r: Request) -> float:
+    def _setup_cost(self, r: Request, unpriced: set[int]) -> float:
         """This step's share of the context read a request pays before it drafts again (its
         draft model's prompt): seconds per token measured on earlier reads by the same proposer,
-        spread over the tokens the request still has to make. 0 until one read was measured."""
+        spread over the tokens the request still has to make. Before any read was measured, one
+        request a step may read for free (so the price gets measured) and the others may not."""
         unread = r.unread()
-        rate = self.read_rates.get(id(r.spec.proposer))
-        if not unread or rate is None:
+        key = id(r.spec.proposer)
+        rate = self.read_rates.get(key)
+        if not unread:
+            return 0.0
+        if rate is None:
+            if key in unpriced:
+                return float("inf")
+            unpriced.add(key)
             return 0.0
         return rate * unread / max(r.config.max_new_tokens - r.output.count, 1)
 
