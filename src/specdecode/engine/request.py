@@ -25,7 +25,7 @@ from specdecode.engine.shadow import ShadowTracker
 from specdecode.errors import ConfigError, InputError
 from specdecode.metrics import RequestMetrics
 from specdecode.models.base import CausalLM, KVCache
-from specdecode.proposers.base import Proposer
+from specdecode.proposers.base import ROUND_FEED, Proposer
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ class Request:
         if self.proposer is None or not self.proposer.caps.catches_up:
             return 0
         n = len(self.context) - self.read_upto
-        return n if n > 2 else 0  # a drafting round's own leftovers go with the round
+        return n if n > ROUND_FEED else 0  # a drafting round's own leftovers go with the round
 
     def catch_up(self) -> tuple[int, float]:
         """Before a round that drafts (or shadow-drafts): the proposer reads the context it has

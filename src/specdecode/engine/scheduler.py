@@ -264,10 +264,10 @@ class Engine:
         spread over the tokens the request still has to make. Before any read was measured, one
         request a step may read for free (so the price gets measured) and the others may not."""
         unread = r.unread()
-        key = id(r.spec.proposer)
-        rate = self.read_rates.get(key)
         if not unread:
             return 0.0
+        key = id(r.spec.proposer)
+        rate = self.read_rates.get(key)
         if rate is None:
             if key in unpriced:
                 return float("inf")

@@ -25,6 +25,7 @@ from specdecode.models.quant import (
     ACT,
     DOT_KINDS,
     QuantMatrix,
+    _w4a8,
     act_dtype,
     attach_prompt_copy,
     can_embed,
@@ -597,14 +598,19 @@ class _PromptRows:
         if not isinstance(w, QuantMatrix) or w.prompt_copy is None or x.shape[0] != self.n:
             return self.base(x, w, b)  # the output head (last rows only) and matrices without a copy
         if len(self.spans) == 1 and self.rest.numel() == 0:
-            y = w.prompt_mm(x)
+            y = _on_copy(x, w)
         else:
             y = x.new_empty(self.n, w.shape[0], dtype=torch.float32)  # [n, out]
             if self.rest.numel():
                 y[self.rest] = self.base(x[self.rest], w, None).float()
             for lo, hi in self.spans:
-                y[lo:hi] = w.prompt_mm(x[lo:hi])
+                y[lo:hi] = _on_copy(x[lo:hi], w)
         return y if b is None else y + b
+
+
+def _on_copy(x: torch.Tensor, w: QuantMatrix) -> torch.Tensor:
+    """``x`` [n, in] by ``w``'s prompt copy -> float32 [n, out]: a row's bits depend on ``x`` and n only."""
+    return _mkldnn_linear(x.to(torch.bfloat16), w.prompt_copy, None).float()
 
 
 def prompt_copies_pay() -> bool:
@@ -621,16 +627,19 @@ def prompt_copies_pay() -> bool:
     from specdecode.models.kernels import choose
 
     def make() -> Callable[[str], None]:
-        m = quantize_matrix(torch.randn(17920, 1536) * 0.02, "w4a8")
+        n_out, n_in = 17920, 1536  # 4-bit levels on their grid: random floats would make 8-bit tiles
+        q = torch.randint(0, 16, (n_out, n_in), dtype=torch.uint8)
+        scale = torch.rand(n_out, n_in // int8dot.GROUP) * 0.01
+        m = _w4a8((n_out, n_in), q, scale, scale)
         attach_prompt_copy(m)
-        x = torch.randn(64, 1536)
-        return lambda option: m.prompt_mm(x) if option == "bf16" else m(x)
+        x = torch.randn(64, n_in)
+        return lambda option: _on_copy(x, m) if option == "bf16" else m(x)
 
-    return choose("prompt-rows", ("int8dot", "bf16"), make) == "bf16"
+    return choose("prompt-rows-u4", ("int8dot", "bf16"), make) == "bf16"
 
 
-def attach_prompt_copies(weights: Weights) -> int:
-    """Give every layer matrix on the int8dot kernels its bf16 prompt copy; bytes added."""
+def attach_prompt_copies(weights: Weights) -> None:
+    """Give every layer matrix on the int8dot kernels its bf16 prompt copy."""
     todo = [
         m
         for layer in weights.layers
@@ -638,11 +647,10 @@ def attach_prompt_copies(weights: Weights) -> int:
         if isinstance(m, QuantMatrix) and m.kind in DOT_KINDS and m.prompt_copy is None
     ]
     if not todo:
-        return 0
+        return
     staging = torch.empty(max(m.shape[0] * m.shape[1] for m in todo), dtype=torch.bfloat16)
     for m in todo:
         attach_prompt_copy(m, staging)
-    return sum(2 * m.shape[0] * m.shape[1] for m in todo)
 
 
 # -- prepacked matrices -------------------------------------------------------------------------
@@ -725,8 +733,7 @@ class NativeCausalLM:
         )
         self._inv_freq = inv_freq(config.rope, config.head_dim)
         self._decoder: Callable[..., torch.Tensor] = _decoder
-        first = weights.layers[0].wqkv if weights.layers else None
-        self._prompt_copies = isinstance(first, QuantMatrix) and first.prompt_copy is not None
+        self._prompt_copies = any(m.prompt_copy is not None for m in quant_matrices(weights))
 
     @classmethod
     def from_pretrained(

@@ -184,16 +184,6 @@ class QuantMatrix:
             y = int8dot.u8_mm(x, packed, scale, (padded, n_in))
         return y if padded == out else y[:, :out]
 
-    def prompt_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [n, in] by the prompt copy -> float32 [n, out]; a row's result depends only on
-        ``x`` and n (a prompt chunk's length), never on other requests' rows."""
-        xb = x.to(torch.bfloat16)
-        if xb.shape[0] == 1:  # oneDNN's one-row kernel differs from its multi-row one: keep one
-            return torch.ops.mkldnn._linear_pointwise(xb.expand(2, -1), self.prompt_copy, None, "none", [], "")[
-                :1
-            ].float()
-        return torch.ops.mkldnn._linear_pointwise(xb, self.prompt_copy, None, "none", [], "").float()
-
     def dequantized(
         self, dtype: torch.dtype = torch.float32, block: int = 256, into: torch.Tensor | None = None
     ) -> torch.Tensor:

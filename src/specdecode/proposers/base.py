@@ -33,6 +33,11 @@ class ProposerCaps:
     catches_up: bool = False  # catch_up(context) reads unseen context (the prompt) before a drafting round
 
 
+# The most committed tokens a round may leave a catching-up proposer to read after a round that
+# drafted (a rejection's correction, or the last draft and the bonus token): more is a catch-up.
+ROUND_FEED = 2
+
+
 @runtime_checkable
 class Proposer(Protocol):
     name: str

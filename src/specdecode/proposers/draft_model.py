@@ -17,9 +17,7 @@ from specdecode.core.sampling import (
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.base import CausalLM
-from specdecode.proposers.base import PerRequest, ProposerCaps
-
-_ROUND_FEED = 2  # the most tokens a round feeds the draft after a round that drafted
+from specdecode.proposers.base import ROUND_FEED, PerRequest, ProposerCaps
 
 
 class DraftModelProposer(PerRequest):
@@ -89,7 +87,7 @@ class DraftModelProposer(PerRequest):
         bonus token): the prompt, or what was committed while this request did not draft.
         Left to the round, that read was priced as drafting (the Qwen 0.5B's prompt: 80 ms a
         drafted token against 24) and a cost-aware k policy switched speculation off for good."""
-        if len(context) - self._kept(context) <= _ROUND_FEED:
+        if len(context) - self._kept(context) <= ROUND_FEED:
             return
         fresh = torch.tensor(self._fresh(context[:-1]), dtype=torch.long)
         if self.model.caps.rows:  # a prompt chunk: no logits wanted (and its fast path, if any)
