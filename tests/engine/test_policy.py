@@ -184,3 +184,18 @@ def test_a_draft_model_reads_the_prompt_in_catch_up_so_a_round_times_drafting_al
     context += [1, 2, 3, 4]  # four rounds at k = 0
     state.catch_up(context)
     assert fed == [len(context) - 1 - (len(prompt) + 1 + 2)]  # everything since the cached drafts
+
+
+def test_auto_prices_deep_drafts_by_the_rounds_that_drafted_them():
+    """A proposer that drafts one unsure token or six sure ones: the product of per-position
+    acceptance mixes the unsure rounds into every depth; the acceptance measured when position i
+    was drafted does not."""
+    policy = AutoK(8, costs=constant_costs(0.0, FLAT))
+    for _ in range(30):
+        policy.update(1, 0, 0, 0, planned=8)  # a short match, rejected
+        policy.update(6, 6, 0, 0, planned=8)  # a long match, all accepted
+    direct = policy.accept_when_drafted()
+    assert 0.3 < direct[0] < 0.7
+    assert min(direct[1:6]) > 0.95
+    assert policy.accept_by_position()[5] < 0.75 * direct[5]
+    assert policy.reach_by_position()[5] < 0.7

@@ -21,7 +21,7 @@ from specdecode.engine.planner import Candidate, ForwardCosts, plan
 from specdecode.engine.policy import AutoK, make_policy
 from specdecode.engine.request import DONE, PREFILL, RUNNING, WAITING
 from specdecode.errors import ConfigError, InputError, QueueFullError
-from specdecode.models import int8dot
+from specdecode.models import int8dot, native
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.proposers.early_exit import EarlyExitProposer
 from specdecode.proposers.suffix import SuffixProposer
@@ -98,7 +98,10 @@ def test_mixed_speculation_in_one_batch_is_greedy_identical():
     assert requests[8].result.stats["shadow_rounds"] > 0 and requests[8].result.stats["target_calls"] == 24
 
 
-@pytest.mark.skipif(not int8dot.available(), reason="w4a8 needs the int8dot kernels")
+@pytest.mark.skipif(
+    not int8dot.available() or not native._packing_works(torch.randn(8, 8).bfloat16()),
+    reason="needs the int8dot kernels and oneDNN's bf16 packing",
+)
 def test_long_prompts_on_prompt_copies_are_greedy_identical_alone_and_in_a_batch(tmp_path):
     """Prompt chunks of 32+ rows on a w4a8 target's bf16 copies (chunked, several per step)
     decode exactly as each request alone, with and without speculation."""
@@ -336,15 +339,29 @@ def test_a_stale_request_is_probed_only_where_optimism_pays():
     for _ in range(20):
         policy.update(2, 0, 0.002, 0.01)  # measured useless
     assert policy.accept_by_position()[0] < 0.01
-    assert policy.optimistic_accept_by_position() == pytest.approx([0.6, 0.36, 0.216, 0.1296])
+    assert policy.accept_when_drafted(optimistic=True) == pytest.approx([0.6, 0.36, 0.216, 0.1296])
     flat, steep = ForwardCosts(ema=1.0), ForwardCosts(ema=1.0)
     for n in (1, 200):
         flat.observe(n, 0.010 + 0.00001 * n)
         steep.observe(n, 0.010 * n)
-    assert plan([Candidate(policy.accept_by_position(), 0.001, 4)], 0, 0.0, flat) == [0]
-    stale = Candidate(policy.optimistic_accept_by_position(), 0.001, 4)
+    assert plan([Candidate(policy.accept_when_drafted(), 0.001, 4)], 0, 0.0, flat) == [0]
+    stale = Candidate(policy.accept_when_drafted(optimistic=True), 0.001, 4)
     assert plan([stale], 0, 0.0, flat)[0] > 0
     assert plan([stale] * 32, 0, 0.0, steep) == [0] * 32
+
+
+def test_a_proposer_sure_of_its_deep_drafts_is_asked_for_them():
+    """A lookup that drafts one token when its match is short (right half the time) and six when
+    it is long (all accepted): one more draft never pays on this steep curve, the run of six does.
+    A deep estimate still at its prior is never worth more than the measured draft above it."""
+    costs = ForwardCosts(ema=1.0)
+    for n in (1, 200):
+        costs.observe(n, 0.010 + 0.006 * (n - 1))
+    sure = Candidate([0.5] + [1.0] * 5 + [0.0] * 2, 0.0, 8, reach_by_position=[1.0] + [0.5] * 5 + [0.0] * 2)
+    assert plan([sure], 0, 0.0, costs) == [6]
+    useless_then_prior = Candidate([0.0, 0.0, 0.216, 0.1296], 0.0, 4)
+    assert [useless_then_prior.gain(i) for i in range(4)] == [0.0] * 4
+    assert plan([useless_then_prior], 0, 0.0, costs) == [0]
 
 
 def test_auto_k_switches_off_as_the_batch_grows():

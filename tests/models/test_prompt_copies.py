@@ -91,3 +91,18 @@ def test_the_environment_decides(monkeypatch):
     assert native.prompt_copies_pay() is False
     monkeypatch.setenv(native.PROMPT_COPIES_ENV, "1")
     assert native.prompt_copies_pay() is True
+
+
+def test_copies_asked_for_where_the_cpu_cannot_pack_bf16_are_a_clear_error(tmp_path, monkeypatch):
+    """Forcing copies on a CPU without oneDNN's bf16 packing (AVX2 without AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT) names the problem at load, not deep in the first prompt's forward."""
+    from helpers import wide_checkpoint
+    from specdecode.errors import ModelLoadError
+
+    wide_checkpoint(tmp_path)
+    monkeypatch.setattr(native, "_packing_works", lambda sample: False)
+    with pytest.raises(ModelLoadError, match="bf16 prompt copies"):
+        NativeCausalLM.from_pretrained(tmp_path, quant="w4a8", prompt_copies=True)
+    monkeypatch.setenv(native.PROMPT_COPIES_ENV, "1")
+    with pytest.raises(ModelLoadError, match="bf16 prompt copies"):
+        NativeCausalLM.from_pretrained(tmp_path, quant="w4a8")

@@ -16,7 +16,7 @@ rows stop paying, and speculation switches itself off (k = 0), with no table to 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -92,9 +92,10 @@ class ForwardCosts:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A request the planner chooses k for: cumulative acceptance a(1..k_max) of drafted
-    positions, draft s/token, and reach s(1..k_max), the chance it drafts position i when asked
-    (below 1 for a confidence stop or a lookup that can miss; None: it always drafts k)."""
+    """A request the planner chooses k for: a(1..k_max), the chance that drafts 1..i are all
+    accepted when the proposer drafts position i, draft s/token, and reach s(1..k_max), the chance
+    it drafts position i when asked (below 1 for a confidence stop or a lookup that can miss;
+    None: it always drafts k). Asking for position i then yields s(i) a(i) tokens."""
 
     accept_by_position: Sequence[float]
     draft_s_per_token: float
@@ -108,8 +109,10 @@ class Candidate:
         return 1.0 if self.reach_by_position is None else self.reach_by_position[i]
 
     def gain(self, i: int) -> float:
-        """Expected committed tokens that asking for draft i + 1 adds."""
-        return self.reach(i) * self.accept_by_position[i]
+        """Expected committed tokens that asking for draft i + 1 adds: s(i) a(i), never more than
+        any draft before it adds (draft i + 1 counts only when drafted with all before it accepted;
+        a deep estimate still at its prior cannot outbid the measured ones above it)."""
+        return min(self.reach(j) * self.accept_by_position[j] for j in range(i + 1))
 
 
 def plan(
@@ -122,8 +125,8 @@ def plan(
     """k for each candidate, maximising the step's predicted committed tokens per second.
 
     ``other_rows``/``other_tokens``: rows and expected tokens of the step's other requests
-    (prefill chunks, requests with their own fixed k). Greedy on marginal gains: acceptance
-    never rises with depth, so each request's extra drafts are worth less and less. A position
+    (prefill chunks, requests with their own fixed k). Greedy on marginal gains, one draft at a
+    time where it helps most, or a run of drafts where no single one helps but the run does. A position
     a request drafts only sometimes (reach s < 1) costs and yields in proportion: rows and draft
     time are expected values, so a confidence stop keeps its own say on how deep to go.
 
@@ -144,21 +147,40 @@ def plan(
     draft = 0.0
     rate = tokens / forward(rows)
     while True:
-        best, best_rate, best_s = -1, rate, 0.0
-        for i, c in enumerate(candidates):
-            k = ks[i]
-            if k >= c.k_max:
-                continue
-            s = c.reach(k)
-            extra = c.draft_s_per_token * s + (c.setup_s if k == 0 else 0.0)
-            r = (tokens + c.gain(k)) / (forward(rows + s) + draft + extra)
-            if r > best_rate * (1 + 1e-9):
-                best, best_rate, best_s = i, r, s
-        if best < 0:
+        # One more draft where it helps most; where none does, a run of several drafts that pays
+        # as a whole (deeper positions can be worth more than the one before them when a proposer
+        # drafts deep only when sure: a dip in the yields must not hide what lies past it).
+        step = _best_run(candidates, ks, 1, tokens, rows, draft, rate, forward)
+        step = step or _best_run(
+            candidates, ks, max((c.k_max for c in candidates), default=0), tokens, rows, draft, rate, forward
+        )
+        if step is None:
             return ks
-        c = candidates[best]
-        tokens += c.gain(ks[best])
-        rows += best_s
-        draft += c.draft_s_per_token * best_s + (c.setup_s if ks[best] == 0 else 0.0)
-        ks[best] += 1
-        rate = best_rate
+        i, k, gain, extra_rows, extra_draft, rate = step
+        ks[i], tokens, rows, draft = k, tokens + gain, rows + extra_rows, draft + extra_draft
+
+
+def _best_run(
+    candidates: Sequence[Candidate],
+    ks: list[int],
+    longest: int,
+    tokens: float,
+    rows: float,
+    draft: float,
+    rate: float,
+    forward: Callable[[float], float],
+) -> tuple[int, int, float, float, float, float] | None:
+    """The run of up to ``longest`` more drafts for one candidate that raises the step's rate most:
+    (candidate, its new k, tokens, rows and draft seconds the run adds, the new rate), or None."""
+    best = None
+    for i, c in enumerate(candidates):
+        gain = extra_rows = extra_draft = 0.0
+        for k in range(ks[i], min(c.k_max, ks[i] + longest)):
+            s = c.reach(k)
+            gain += c.gain(k)
+            extra_rows += s
+            extra_draft += c.draft_s_per_token * s + (c.setup_s if k == 0 else 0.0)
+            r = (tokens + gain) / (forward(rows + extra_rows) + draft + extra_draft)
+            if r > rate * (1 + 1e-9):
+                best, rate = (i, k + 1, gain, extra_rows, extra_draft, r), r
+    return best

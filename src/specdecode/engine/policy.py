@@ -39,8 +39,10 @@ class PlannedPolicy(KPolicy, Protocol):
         """P(drafts 1..i all accepted), i = 1..k_max."""
         ...
 
-    def optimistic_accept_by_position(self) -> list[float]:
-        """The same with each position's conditional acceptance raised to at least the prior."""
+    def accept_when_drafted(self, optimistic: bool = False) -> list[float]:
+        """P(drafts 1..i all accepted | the proposer drafted position i), i = 1..k_max: what asking
+        for position i yields, divided by its reach (what the batch planner prices drafts with).
+        ``optimistic``: each position at least the prior's (a request whose estimates are old)."""
         ...
 
     def reach_by_position(self) -> list[float]:
@@ -183,6 +185,11 @@ class AutoK:
     def reset(self) -> None:
         self.costs: Costs = self.fixed_costs or MeasuredCosts()
         self.cond = [self.prior] * self.k_max  # P(accept position i | all before accepted)
+        # P(positions 1..i all accepted | position i drafted), measured on the rounds that drafted
+        # that deep. The product of ``cond`` mixes every round into its shallow factors, so for a
+        # proposer that drafts deep only when sure (a long suffix match, a confidence stop) it
+        # prices deep drafts by the unsure rounds too; this is measured on the sure ones.
+        self.drafted_accept = _cumulative(self.cond)
         # P(the proposer drafts position i | asked for it): a confidence stop or a lookup that
         # finds nothing drafts fewer than asked, and undrafted positions cost nothing
         self.reach = [1.0] * self.k_max
@@ -195,10 +202,10 @@ class AutoK:
     def accept_by_position(self) -> list[float]:
         return _cumulative(self.cond)
 
-    def optimistic_accept_by_position(self) -> list[float]:
-        """:meth:`accept_by_position` with every position's conditional acceptance at least the
-        prior: what a request is worth when its low estimates are old (the batch planner's probe)."""
-        return _cumulative([max(a, self.prior) for a in self.cond])
+    def accept_when_drafted(self, optimistic: bool = False) -> list[float]:
+        if not optimistic:
+            return list(self.drafted_accept)
+        return [max(a, p) for a, p in zip(self.drafted_accept, _cumulative([self.prior] * self.k_max))]
 
     def rate(self, k: int) -> float:
         return predict_tokens_per_s(k, self.accept_by_position(), self.costs.draft_s_per_token(), self.costs.verify_s)
@@ -215,6 +222,13 @@ class AutoK:
             self.reach[i] = _ema(self.reach[i], float(i < drafted), self.ema)
         if isinstance(self.costs, MeasuredCosts):
             self.costs.observe(drafted, accepted, draft_s, verify_s)
+        for i in range(min(drafted, self.k_max)):  # a drafted position's outcome is always known
+            self.drafted_accept[i] = _ema(self.drafted_accept[i], float(i < accepted), self.ema)
+        if 0 < drafted == accepted < self.k_max:  # all accepted: deeper positions drift up (as below)
+            last = self.drafted_accept[drafted - 1]
+            for i in range(drafted, self.k_max):
+                if last > self.drafted_accept[i]:
+                    self.drafted_accept[i] = _ema(self.drafted_accept[i], last, self.ema)
         judged = min(accepted + 1, drafted)  # positions the target actually judged
         for i in range(judged):
             self.cond[i] = _ema(self.cond[i], float(i < accepted), self.ema)

@@ -251,7 +251,7 @@ class Engine:
             # Off for a while: judge the request as if unmeasured. Where even that optimism would
             # not pay (a saturated batch), no probe is forced on it: held off is plain decoding.
             stale = r.off_steps + 1 >= self.config.probe_every
-            accept = r.policy.optimistic_accept_by_position() if stale else r.policy.accept_by_position()
+            accept = r.policy.accept_when_drafted(optimistic=stale)
             k_max, reach = r.clip(r.policy.k_max), r.policy.reach_by_position()
             candidates.append(Candidate(accept, self._draft_cost(r), k_max, reach, self._setup_cost(r, unpriced)))
         for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.costs, prefill_rows)):

@@ -769,6 +769,11 @@ class NativeCausalLM:
         if quant is not None:
             plan_rows(quant_matrices(weights))
             if prompt_copies if prompt_copies is not None else prompt_copies_pay():
+                if not _packing_works(torch.randn(8, 8).bfloat16()):  # only when forced: measuring says no
+                    raise ModelLoadError(
+                        "bf16 prompt copies need oneDNN's packed bf16 matmul, which this CPU lacks "
+                        f"(asked for by prompt_copies=True or {PROMPT_COPIES_ENV}=1)"
+                    )
                 attach_prompt_copies(weights)
         else:
             if pack and not compile:  # dynamo cannot trace oneDNN's opaque packed tensors
