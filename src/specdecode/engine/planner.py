@@ -16,6 +16,8 @@ rows stop paying, and speculation switches itself off (k = 0), with no table to 
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -112,7 +114,12 @@ class Candidate:
         """Expected committed tokens that asking for draft i + 1 adds: s(i) a(i), never more than
         any draft before it adds (draft i + 1 counts only when drafted with all before it accepted;
         a deep estimate still at its prior cannot outbid the measured ones above it)."""
-        return min(self.reach(j) * self.accept_by_position[j] for j in range(i + 1))
+        return self._gains[i]
+
+    @functools.cached_property
+    def _gains(self) -> list[float]:  # the planner asks for each many times a step
+        raw = (self.reach(i) * a for i, a in enumerate(self.accept_by_position[: self.k_max]))
+        return list(itertools.accumulate(raw, min))
 
 
 def plan(
