@@ -210,7 +210,7 @@ for _spec in (
     MethodSpec(
         "suffix",
         _B + "build_suffix",
-        {"use_corpus", "corpus", "max_depth", "max_spec_factor", "min_token_prob", "count_depth"},
+        {"use_corpus", "corpus", "max_depth", "max_spec_factor", "min_token_prob", "count_depth", "scored"},
         description="suffix decoding over prompt + output and a corpus of earlier outputs",
     ),
     MethodSpec(

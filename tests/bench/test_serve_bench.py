@@ -182,6 +182,16 @@ def test_arm_names():
     for bad in ("bogus", "xtok", "auto-none", "ngram-k0", "table-bogus"):
         with pytest.raises(ConfigError):
             parse_arm(bad)
+    arm = parse_arm("auto-suffix:scored=false:max_spec_factor=1.5")
+    assert (arm.name, arm.kind, arm.base) == ("auto-suffix:scored=false:max_spec_factor=1.5", "auto", "suffix")
+    assert arm.options == (("scored", False), ("max_spec_factor", 1.5))
+    for bad, says in (
+        ("suffix:scord=false", "did you mean 'scored'"),
+        ("none:k=2", "no proposer options"),
+        ("suffix:scored", "name=value"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            parse_arm(bad)
 
 
 def test_table_policy_follows_the_batch_size_in_the_engine():

@@ -79,6 +79,10 @@ def test_most_frequent_continuation_is_chosen():
     # after [9, 1]: 3 three times, 4 once (the longer [6, 9, 1] match does not exist earlier)
     draft = local().propose(ctx, 4, GREEDY, None)
     assert draft.tokens[0, 0].item() == 3 and draft.probs is None
+    # scored by the rule of succession: 3 of the 4 continuations seen, (3 + 1) / (4 + 2)
+    assert draft.scores is not None and draft.scores[0, 0].item() == pytest.approx(4 / 6)
+    assert local().caps.scored_drafts and not local(scored=False).caps.scored_drafts
+    assert SuffixProposer.caps.scored_drafts  # the option changes the instance, not the class
 
 
 def test_low_probability_path_stops_the_draft():
@@ -184,6 +188,19 @@ def suffix_pvalue(sampling: SamplingConfig) -> tuple[float, float]:
 def test_suffix_sampling_is_exact(name):
     pvalue, _ = suffix_pvalue(SAMPLINGS[name])
     assert pvalue > ALPHA
+
+
+def test_suffix_drafting_first_under_a_planned_k_is_exact():
+    """Policy auto: the engine drafts k_max, then cuts the chain by its scores (a function of the
+    context alone, so the k chosen does not bias what is verified)."""
+    from specdecode.engine.policy import make_policy
+
+    target = MarkovLM(5, seed=11)
+    proposer = SuffixProposer(corpus=SuffixCorpus(max_tokens=400), max_spec_factor=2.0)
+    decoder = Decoder(target, proposer, policy=make_policy("auto", 3))
+    sampling = SAMPLINGS["t1.0-topk4"]
+    counts = sample_sequences(decoder, PROMPT, 4, sampling, N_SAMPLES)
+    assert chi_square_pvalue(counts, sequence_law(target, PROMPT, 4, sampling)) > ALPHA
 
 
 def test_suffix_tree_sampling_is_exact():

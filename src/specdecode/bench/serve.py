@@ -24,6 +24,9 @@ Methods (``--methods``, comma list):
   whole batch; ``auto-NAME`` over another method;
 - ``table``: the best method with k looked up by batch size (``--k-table``, like vLLM's
   ``num_speculative_tokens_per_batch_size``); ``table-NAME`` over another method.
+
+Any entry but ``none`` may end in the proposer's own options, ``:name=value`` each (checked
+against the method's options), e.g. ``auto-suffix:scored=false`` beside ``auto-suffix``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from specdecode.bench.workload import WorkItem, default_workload_path, load_work
 from specdecode.core.dtypes import DTYPE_CHOICES, DTYPE_HELP
 from specdecode.engine.policy import BatchTableK
 from specdecode.errors import ConfigError, InputError
-from specdecode.methods import METHODS
+from specdecode.methods import METHODS, method_spec
 
 SPEC_METHODS = tuple(m for m in METHODS if m not in ("auto", "none", "xtok"))  # xtok needs a second tokenizer
 ARM_KINDS = ("auto", "table")
@@ -78,6 +81,7 @@ METHODS_HELP = f"""methods (--methods, comma list):
   best[-kN]       the best shipped method with the settings its card was measured with (or fixed N)
   auto[-METHOD]   the best method (or METHOD) with policy auto: k in 0..--k-max planned by the engine per batch
   table[-METHOD]  the best method (or METHOD) with k by batch size from --k-table
+  ...:NAME=VALUE  any of these but none with a proposer option, e.g. auto-suffix:scored=false
 """
 
 
@@ -186,6 +190,7 @@ class ArmSpec:
     base: str  # "none", "best" or a method name
     kind: str  # "fixed" | "auto" | "table"
     k: int | None = None  # an explicit fixed k (NAME-kN)
+    options: tuple[tuple[str, Any], ...] = ()  # proposer options written after the name (:name=value)
 
 
 @dataclass
@@ -250,8 +255,38 @@ def _float(text: str, what: str, positive: bool) -> float:
 
 
 def parse_arm(name: str) -> ArmSpec:
-    """``none``, ``METHOD[-kN]``, ``best[-kN]``, ``auto[-METHOD]``, ``table[-METHOD]``."""
+    """``none``, ``METHOD[-kN]``, ``best[-kN]``, ``auto[-METHOD]``, ``table[-METHOD]``, each but
+    ``none`` optionally followed by proposer options ``:name=value``."""
     name = name.strip().lower()
+    head, *written = name.split(":")
+    spec = _parse_arm_head(head, name)
+    if not written:
+        return spec
+    if spec.base == "none":
+        raise ConfigError(f"--methods: {name!r}: plain decoding takes no proposer options")
+    options = tuple(_arm_option(text, name) for text in written)
+    if spec.base != "best":
+        method_spec(spec.base).check_options([key for key, _ in options])
+    return ArmSpec(name, spec.base, spec.kind, spec.k, options)
+
+
+def _arm_option(text: str, name: str) -> tuple[str, Any]:
+    """``key=value``: the value as a bool, int or float where it reads as one, else a string."""
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip() or not value.strip():
+        raise ConfigError(f"--methods: {name!r}: expected a proposer option as name=value, got {text!r}")
+    value = value.strip()
+    if value in ("true", "false"):
+        return key.strip(), value == "true"
+    for kind in (int, float):
+        try:
+            return key.strip(), kind(value)
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
+def _parse_arm_head(name: str, written: str) -> ArmSpec:
     known = ("none", *SPEC_METHODS, "best", "best-kN", "METHOD-kN", "auto", "auto-METHOD", "table", "table-METHOD")
     if name == "none":
         return ArmSpec(name, "none", "fixed")
@@ -259,15 +294,17 @@ def parse_arm(name: str) -> ArmSpec:
         if name == kind or name.startswith(kind + "-"):
             base = name[len(kind) + 1 :] or "best"
             if base not in SPEC_METHODS and base != "best":
-                raise ConfigError(f"--methods: {name!r}: {kind} runs over a speculative method or best, not {base!r}")
+                raise ConfigError(
+                    f"--methods: {written!r}: {kind} runs over a speculative method or best, not {base!r}"
+                )
             return ArmSpec(name, base, kind)
     m = re.fullmatch(r"(.+?)(?:-k(\d+))?", name)
     base, k = (m.group(1), m.group(2)) if m else (name, None)
     if base == "xtok":
         raise ConfigError("--methods: xtok needs a draft model with its own tokenizer; bench-serve does not load one")
     if base not in SPEC_METHODS and base != "best":
-        raise ConfigError(f"--methods: unknown method {name!r}; choose from {', '.join(known)}")
-    return ArmSpec(name, base, "fixed", _int(k, f"--methods {name}: k") if k is not None else None)
+        raise ConfigError(f"--methods: unknown method {written!r}; choose from {', '.join(known)}")
+    return ArmSpec(name, base, "fixed", _int(k, f"--methods {written}: k") if k is not None else None)
 
 
 def parse_k_table(text: str) -> tuple[tuple[tuple[int, int], ...], int]:
@@ -439,6 +476,9 @@ def resolve_arm(spec: ArmSpec, target: Any, opts: Options) -> Arm:
         options["confidence_threshold"] = settings.get("confidence", 0.5)
     if "drafter" in settings:
         options["drafter"] = settings["drafter"]
+    if spec.options:  # written after the name; checked here too for best, now that it has a method
+        method_spec(method).check_options([key for key, _ in spec.options])
+        options.update(spec.options)
     tree = method in TREE_ONLY
     if spec.kind == "auto":
         return Arm(spec.name, method, "auto", "auto", opts.k_max, options, tree=tree, from_best=from_best)

@@ -21,10 +21,20 @@ class Draft:
 
     tokens: torch.Tensor  # [batch, k] int64
     probs: torch.Tensor | None = None  # [batch, k, vocab] processed draft distributions; None = one-hot
+    # [batch, k] a deterministic proposer's own chance that each draft is right given the drafts
+    # before it (uncalibrated; the engine learns what it is worth). None: no such estimate.
+    scores: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
         return int(self.tokens.shape[1])
+
+    def prefix(self, k: int) -> "Draft":
+        """The first ``k`` drafts (all of them when there are fewer)."""
+        if k >= self.k:
+            return self
+        cut = lambda t: None if t is None else t[:, :k]  # noqa: E731
+        return Draft(self.tokens[:, :k], cut(self.probs), cut(self.scores))
 
     @staticmethod
     def empty(batch: int = 1) -> "Draft":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -90,6 +91,46 @@ class ForwardCosts:
         var = sum((x - mx) ** 2 for x in xs)
         cov = sum((x - mx) * (self.points[x] - my) for x in xs)
         return max(cov / var, 0.0)
+
+
+class ScoreCalibration:
+    """What a proposer's own scores are worth on this target: P(a draft is accepted | the drafts
+    before it were, its score), by score bin, learnt from the rounds that verified scored drafts.
+
+    A bin starts at its own score (the proposer taken at its word) with ``weight`` rounds' worth
+    of belief, so a few rounds move it and many settle it; counts past ``horizon`` are scaled
+    down, so a long-running engine follows a workload that changes.
+    """
+
+    def __init__(self, bins: int = 10, weight: float = 4.0, horizon: float = 400.0) -> None:
+        self.bins, self.weight, self.horizon = bins, weight, horizon
+        self.accepted = [0.0] * bins
+        self.judged = [0.0] * bins
+
+    def _bin(self, score: float) -> int:
+        return min(max(int(score * self.bins), 0), self.bins - 1)
+
+    def rate(self, score: float) -> float:
+        """P(accepted | all drafts before it accepted) for a draft scored ``score``."""
+        b = self._bin(score)
+        prior = (b + 0.5) / self.bins
+        return (self.accepted[b] + self.weight * prior) / (self.judged[b] + self.weight)
+
+    def accept_by_position(self, scores: Sequence[float]) -> list[float]:
+        """P(drafts 1..i all accepted) for a chain scored ``scores``."""
+        return list(itertools.accumulate((self.rate(s) for s in scores), operator.mul))
+
+    def observe(self, scores: Sequence[float], accepted: int) -> None:
+        """A verified chain scored ``scores`` had its first ``accepted`` drafts accepted (the
+        target judged those and the one after them)."""
+        for i, score in enumerate(scores[: accepted + 1]):
+            b = self._bin(score)
+            self.judged[b] += 1.0
+            self.accepted[b] += float(i < accepted)
+            if self.judged[b] > self.horizon:
+                shrink = self.horizon / self.judged[b]
+                self.judged[b] *= shrink
+                self.accepted[b] *= shrink
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,8 @@ class Request:
         self.k = 0  # drafts wanted this step
         self.read_upto = 0  # context length the proposer had read at its last drafting round
         self.off_steps = 0  # consecutive planned steps at k = 0 (to probe acceptance again)
+        self.draft, self.tree, self.side = Draft.empty(), None, []  # this round's candidates
+        self.accepted = 0  # drafts the target accepted in the last round
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -256,6 +258,22 @@ class Request:
         self.read_upto = len(self.context)
         return n, seconds
 
+    @property
+    def drafts_first(self) -> bool:
+        """The proposer's drafts are free and scored (``caps.scored_drafts``) and this round is a
+        plain chain: draft k_max first, then let the planner choose how many to verify."""
+        p = self.proposer
+        return p is not None and p.caps.scored_drafts and self.spec.tree is None and self.shadow is None
+
+    def draft_scores(self) -> list[float] | None:
+        """This round's draft scores, where choosing k from them keeps sampling exact: a
+        deterministic chain's (one-hot q). Scores on sampled drafts depend on the tokens drawn,
+        and a k chosen from them would bias what is verified."""
+        d = self.draft
+        if d.scores is None or d.probs is not None or self.tree is not None:
+            return None
+        return d.scores[0].tolist()
+
     def propose(self) -> None:
         """Draft this round's candidates (``self.k`` of them at most); timed into ``draft_s``."""
         t = time.perf_counter()
@@ -278,9 +296,7 @@ class Request:
     def set_draft(self, draft: Draft) -> None:
         """A chain drafted for this round (by ``propose`` or a batched drafting call)."""
         self.tree, self.side = None, []
-        if draft.k > self.k:  # a proposer may return fewer than k, never more
-            draft = Draft(draft.tokens[:, : self.k], None if draft.probs is None else draft.probs[:, : self.k])
-        self.draft = draft
+        self.draft = draft.prefix(self.k)  # a proposer may return fewer than k, never more
 
     def row(self) -> Row:
         """[last committed token, drafts] (a chain), or [root, tree nodes, side chain] with its mask."""
@@ -316,6 +332,7 @@ class Request:
         m = self.metrics
         m.verify_s += verify_s + time.perf_counter() - t
         m.record_round(drafted, accepted, len(committed))
+        self.accepted = accepted
         if self.proposer is not None and not self.spec.shadow:
             m.k_history.append(drafted)
             self.policy.update(drafted, accepted, self.draft_share, verify_s, planned=self.k)

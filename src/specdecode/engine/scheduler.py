@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from specdecode.engine.planner import Candidate, ForwardCosts, plan
+from specdecode.engine.planner import Candidate, ForwardCosts, ScoreCalibration, plan
 from specdecode.engine.request import (
     DONE,
     PREFILL,
@@ -98,6 +98,7 @@ class Engine:
         self.reserved = 0  # cache positions held by running requests
         self.costs = ForwardCosts()
         self.read_rates: dict[int, float] = {}  # a proposer's measured seconds per context token it reads
+        self.calibrations: dict[int, ScoreCalibration] = {}  # what each proposer's draft scores are worth
         self.steps: deque[StepRecord] = deque(maxlen=self.config.step_log)
         self._next_id = 0
 
@@ -188,8 +189,8 @@ class Engine:
             return []
         rows = self._prefill_rows()
         decoding = [r for r in self.running if r.status == RUNNING and not r.finished]
-        self._plan(decoding, sum(row.ids.numel() for row in rows))
-        self._propose(decoding)
+        drafted = self._plan(decoding, sum(row.ids.numel() for row in rows))
+        self._propose([r for r in decoding if r not in drafted])
         rows += [r.row() for r in decoding]
         t = time.perf_counter()
         logits, hidden = self._verify(rows)
@@ -234,8 +235,9 @@ class Engine:
                 left -= row.ids.numel()
         return rows
 
-    def _plan(self, decoding: list[Request], prefill_rows: int) -> None:
-        """Each decoding request's k: its own policy's, or the batch planner's (policy auto)."""
+    def _plan(self, decoding: list[Request], prefill_rows: int) -> set[Request]:
+        """Each decoding request's k: its own policy's, or the batch planner's (policy auto).
+        Returns the requests already drafted (free scored drafts, made before k was chosen)."""
         planned, other_rows, other_tokens = [], prefill_rows, 0.0
         for r in decoding:
             if r.spec.batch_planned:
@@ -245,9 +247,13 @@ class Engine:
             other_rows += r.k + 1
             other_tokens += max(r.metrics.committed_tokens / max(r.metrics.target_calls, 1), 1.0)
         if not planned:
-            return
-        candidates, unpriced = [], set()
+            return set()
+        candidates, unpriced, drafted = [], set(), set()
         for r in planned:
+            if r.drafts_first:
+                candidates.append(self._draft_first(r))
+                drafted.add(r)
+                continue
             # Off for a while: judge the request as if unmeasured. Where even that optimism would
             # not pay (a saturated batch), no probe is forced on it: held off is plain decoding.
             stale = r.off_steps + 1 >= self.config.probe_every
@@ -257,6 +263,24 @@ class Engine:
         for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.costs, prefill_rows)):
             r.k = k
             r.off_steps = r.off_steps + 1 if k == 0 else 0
+            if r in drafted:
+                r.set_draft(r.draft)  # verify only the prefix the planner chose
+        return drafted
+
+    def _draft_first(self, r: Request) -> Candidate:
+        """Draft as deep as the request may go, then price each draft by its score as calibrated
+        on this target (or, on unscored drafts, by the request's measured acceptance). The drafts
+        are made already, so they cost nothing more: only their rows are priced."""
+        r.k = r.clip(r.policy.k_max)
+        self._priced_read(r, *r.catch_up())
+        r.propose()
+        scores = r.draft_scores()
+        if scores is None:
+            return Candidate(r.policy.accept_when_drafted(), 0.0, r.draft.k)
+        return Candidate(self._calibration(r).accept_by_position(scores), 0.0, len(scores))
+
+    def _calibration(self, r: Request) -> ScoreCalibration:
+        return self.calibrations.setdefault(id(r.spec.proposer), ScoreCalibration())
 
     def _setup_cost(self, r: Request, unpriced: set[int]) -> float:
         """This step's share of the context read a request pays before it drafts again (its
@@ -347,7 +371,10 @@ class Engine:
             if row.keep == 0:  # a prefill chunk
                 r.prefilled(forward_s)
                 continue
+            scores = r.draft_scores()
             event = r.absorb(lg, forward_s)
+            if scores:  # every verified scored chain teaches what its proposer's scores are worth
+                self._calibration(r).observe(scores, r.accepted)
             if event.token_ids or event.text:
                 r.events.append(event)
             touched.append(r)

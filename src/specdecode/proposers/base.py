@@ -31,6 +31,11 @@ class ProposerCaps:
     confidence: bool = False  # takes confidence_threshold (a chain that stops at unsure tokens)
     needs_native: bool = False  # only runs on the native backend
     catches_up: bool = False  # catch_up(context) reads unseen context (the prompt) before a drafting round
+    # Drafts are deterministic (a function of the context, probs None), nearly free, and carry
+    # Draft.scores: the engine may draft k_max before choosing k and verify only the prefix that
+    # round's scores pay for. (Choosing k from the drafted tokens is exact only because they are
+    # not sampled; scores on sampled drafts are ignored.)
+    scored_drafts: bool = False
 
 
 # The most committed tokens a round may leave a catching-up proposer to read after a round that

@@ -159,14 +159,17 @@ class SuffixProposer(PerRequest):
 
     At most ``min(k, ceil(max_spec_factor * match_length))`` tokens are drafted (match length
     capped at ``max_depth``), stopping when the path's empirical probability (product of
-    next-token frequencies) falls below ``min_token_prob``. With ``use_corpus`` a request's output
+    next-token frequencies) falls below ``min_token_prob``. Each draft carries a score (how often
+    it followed, by the rule of succession) so a planned k can cut the unsure ones after drafting
+    (``scored=False``: k is planned from measured acceptance before drafting, as for any
+    proposer). With ``use_corpus`` a request's output
     joins ``corpus`` when it finishes. The corpus belongs to this proposer (so to the engine that
     built it, shared by that engine's requests); pass one ``corpus`` to several proposers to
     share it between engines. Nothing is shared per process.
     """
 
     name = "suffix"
-    caps = ProposerCaps(trees=True)
+    caps = ProposerCaps(trees=True, scored_drafts=True)
 
     def __init__(
         self,
@@ -176,12 +179,15 @@ class SuffixProposer(PerRequest):
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
         count_depth: int = 64,
+        scored: bool = True,
     ) -> None:
         if max_depth < 1 or max_spec_factor <= 0 or not 0.0 <= min_token_prob <= 1.0 or count_depth < 1:
             raise ConfigError(
                 "need max_depth >= 1, max_spec_factor > 0, 0 <= min_token_prob <= 1, count_depth >= 1; "
                 f"got {max_depth}, {max_spec_factor}, {min_token_prob}, {count_depth}"
             )
+        if not scored:  # drafts still scored, but not declared: the engine plans k before drafting
+            self.caps = ProposerCaps(trees=True)
         self.use_corpus = use_corpus
         self.corpus = (corpus if corpus is not None else SuffixCorpus()) if use_corpus else None
         self.max_depth, self.max_spec_factor = max_depth, max_spec_factor
@@ -237,9 +243,11 @@ class SuffixProposer(PerRequest):
     def _max_len(self, k: int, matched: int) -> int:
         return min(k, math.ceil(self.max_spec_factor * min(matched, self.max_depth)))
 
-    def _chain(self, sam: SuffixAutomaton, state: int, limit: int) -> tuple[list[int], float]:
-        """Greedy most-frequent walk; returns the path and its score (sum of path probabilities)."""
-        path, prob, score = [], 1.0, 0.0
+    def _chain(self, sam: SuffixAutomaton, state: int, limit: int) -> tuple[list[int], float, list[float]]:
+        """Greedy most-frequent walk: the path, its score (sum of path probabilities) and each
+        token's chance of being right after the ones before it, by the rule of succession over
+        how often it followed (c + 1) / (n + 2): one sighting says less than twenty."""
+        path, prob, score, sure = [], 1.0, 0.0, []
         while len(path) < limit:
             kids = sam.children(state)
             total = sum(c for c, _, _ in kids)
@@ -250,18 +258,19 @@ class SuffixProposer(PerRequest):
             if prob < self.min_token_prob:
                 break
             path.append(token)
+            sure.append((c + 1) / (total + 2))
             score += prob
             state = child
-        return path, score
+        return path, score, sure
 
-    def _best(self, k: int) -> tuple[SuffixAutomaton, int, int, list[int]] | None:
+    def _best(self, k: int) -> tuple[SuffixAutomaton, int, int, list[int], list[float]] | None:
         best, best_key = None, None
         for sam, state, matched in self._sources():
             limit = self._max_len(k, matched)
-            path, score = self._chain(sam, state, limit)
+            path, score, sure = self._chain(sam, state, limit)
             key = (score, matched)
             if path and (best_key is None or key > best_key):
-                best, best_key = (sam, state, limit, path), key
+                best, best_key = (sam, state, limit, path, sure), key
         return best
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
@@ -269,7 +278,7 @@ class SuffixProposer(PerRequest):
         best = self._best(k) if k > 0 else None
         if best is None:
             return Draft.empty()
-        return Draft(tokens=torch.tensor([best[3]], dtype=torch.long))
+        return Draft(tokens=torch.tensor([best[3]], dtype=torch.long), scores=torch.tensor([best[4]]))
 
     def propose_tree(self, context: list[int], k: int, max_nodes: int) -> list[list[int]]:
         """Candidate token paths (a draft tree's root-to-leaf paths), best first.
@@ -283,7 +292,7 @@ class SuffixProposer(PerRequest):
         best = self._best(k) if k > 0 and max_nodes > 0 else None
         if best is None:
             return []
-        sam, state, limit, _ = best
+        sam, state, limit = best[:3]
         # heap entries: (-path probability, insertion order, path, state, score)
         heap: list = [(-1.0, 0, [], state, 0.0)]
         order = 0
