@@ -331,7 +331,7 @@ def test_the_engine_learns_what_a_draft_models_prompt_read_costs():
     second = engine.submit([1, 2, 3], GenerationConfig(max_new_tokens=6), spec)
     engine.run()
     assert first.result is not None and second.result is not None
-    assert engine.read_rates[id(spec.proposer)] > 0  # the 23-token prompt read, per token
+    assert engine.memory.read_rates[id(spec.proposer)] > 0  # the 23-token prompt read, per token
 
 
 def test_a_stale_request_is_probed_only_where_optimism_pays():
@@ -371,9 +371,9 @@ def test_auto_k_switches_off_as_the_batch_grows():
     target = tiny_native(vocab=8, seed=5, layers=2)
     engine = Engine(target, config=EngineConfig(max_batch=64))
     for n in (1, 2, 4, 8):  # a synthetic cost curve that steepens with the rows (a saturated machine)
-        engine.costs.observe(n, 0.01 * n)
-    engine.costs.observe(600, 6.0)
-    engine.costs.ema = 0.0  # keep it: this test is about the planner's use of the curve
+        engine.memory.costs.observe(n, 0.01 * n)
+    engine.memory.costs.observe(600, 6.0)
+    engine.memory.costs.ema = 0.0  # keep it: this test is about the planner's use of the curve
     spec = Speculation(NgramProposer(), policy=make_policy("auto", 4))
     for i in range(48):
         engine.submit([1, 2, 3, 1, 2, 3, 1, 2], GenerationConfig(max_new_tokens=12, seed=i), spec)
@@ -392,9 +392,9 @@ def test_a_draft_model_kept_off_by_the_planner_never_reads_a_prompt():
     draft.forward = lambda ids, *a, **kw: (calls.append(1), forward(ids, *a, **kw))[1]
     engine = Engine(target, config=EngineConfig(max_batch=64))
     for n in (1, 2, 4, 8):
-        engine.costs.observe(n, 0.01 * n)
-    engine.costs.observe(600, 6.0)
-    engine.costs.ema = 0.0
+        engine.memory.costs.observe(n, 0.01 * n)
+    engine.memory.costs.observe(600, 6.0)
+    engine.memory.costs.ema = 0.0
     spec = Speculation(DraftModelProposer(draft), policy=make_policy("auto", 4))
     ps = [[1, 2, 3, 1, 2, 3, 1, 2]] * 48
     out = engine.generate(ps, GenerationConfig(max_new_tokens=6), spec)
@@ -481,8 +481,8 @@ def _steep_engine(target, max_batch: int = 1) -> Engine:
     of a one-row forward."""
     engine = Engine(target, config=EngineConfig(max_batch=max_batch))
     for n in range(1, 129):
-        engine.costs.observe(n, 0.01 + 0.002 * (n - 1))
-    engine.costs.ema = 0.0
+        engine.memory.costs.observe(n, 0.01 + 0.002 * (n - 1))
+    engine.memory.costs.ema = 0.0
     return engine
 
 
@@ -515,7 +515,25 @@ def test_free_scored_drafts_are_made_first_and_only_the_sure_prefix_is_verified(
     assert request.result.token_ids == alone(target, [1, 2, 3, 4], 24)
     cut = [(scores, k) for scores, k in seen if k < 6]
     assert cut and all(len(scores) == k for scores, k in seen)  # verified exactly what was planned
-    assert engine.calibrations[id(spec.proposer)].judged != [0.0] * 10  # and learnt from it
+    assert engine.memory.calibrations[id(spec.proposer)].judged != [0.0] * 10  # and learnt from it
+
+
+def test_a_decoders_runs_share_what_the_planner_learnt():
+    """One Decoder, one request after another: every run's engine has the decoder's memory, so
+    the second request plans on the first one's measured costs and calibration (not priors);
+    its tokens are still exactly plain greedy decoding's."""
+    target = tiny_native(vocab=8, seed=5, layers=2)
+    table = torch.randn(8, 8, 8, generator=torch.Generator().manual_seed(3)) * 3.0
+    decoder = Decoder(target, ScoredMarkovDraft(table), policy=make_policy("auto", 6))
+    first = decoder.run([1, 2, 3, 4], GenerationConfig(max_new_tokens=16))
+    first.result()
+    assert first.engine.memory is decoder.memory and decoder.memory.costs.points
+    judged = sum(decoder.memory.calibrations[id(decoder.spec.proposer)].judged)
+    second = decoder.run([4, 3, 2, 1], GenerationConfig(max_new_tokens=16))
+    assert second.engine is not first.engine and second.engine.memory is decoder.memory
+    assert second.result().token_ids == alone(target, [4, 3, 2, 1], 16)
+    assert sum(decoder.memory.calibrations[id(decoder.spec.proposer)].judged) > judged > 0
+    assert Engine(target).memory is not decoder.memory  # an engine of its own learns alone
 
 
 def _scored_pvalue(sampled: bool) -> float:

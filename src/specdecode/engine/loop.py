@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from specdecode.engine.planner import PlannerMemory
 from specdecode.engine.policy import KPolicy
 from specdecode.engine.request import (
     GenerationConfig,
@@ -25,6 +26,8 @@ class Decoder:
     ``policy`` picks k each round (default: always ``k``). ``shadow=True`` decodes plainly while
     the proposer still drafts, recording the acceptance speculation would have had. Each run is
     a request of its own engine; the proposer and policy are prototypes that every run copies.
+    Every run's engine shares this decoder's :class:`PlannerMemory` (forward costs, read rates,
+    score calibrations), so one request after another plans from measurements, not priors.
     """
 
     def __init__(
@@ -47,10 +50,13 @@ class Decoder:
         self.method = self.spec.method
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
+        self.memory = PlannerMemory()
 
     def engine(self, config: EngineConfig | None = None) -> Engine:
         """An engine over this decoder's target (submit many requests with ``self.spec``)."""
-        return Engine(self.target, eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer, config=config)
+        return Engine(
+            self.target, eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer, config=config, memory=self.memory
+        )
 
     def run(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> "DecodeRun":
         return DecodeRun(self.engine(), list(prompt_ids), config or GenerationConfig(), self.spec)

@@ -133,6 +133,23 @@ class ScoreCalibration:
                 self.accepted[b] *= shrink
 
 
+class PlannerMemory:
+    """What an engine learns about its target and proposers, apart from any request: forward
+    costs by row count, each proposer's seconds per context token read, each proposer's score
+    calibration (keyed by the proposer object's id, which the owner of this memory keeps alive).
+
+    An engine makes its own unless given one; a :class:`~specdecode.engine.loop.Decoder` gives
+    every run the same, so one request after another starts from what the last ones measured
+    instead of from priors. Engines sharing one memory from several threads may interleave
+    updates; each update is a few assignments, and a lost one only delays learning.
+    """
+
+    def __init__(self) -> None:
+        self.costs = ForwardCosts()
+        self.read_rates: dict[int, float] = {}  # a proposer's measured seconds per context token it reads
+        self.calibrations: dict[int, ScoreCalibration] = {}  # what each proposer's draft scores are worth
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A request the planner chooses k for: a(1..k_max), the chance that drafts 1..i are all

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from specdecode.engine.planner import Candidate, ForwardCosts, ScoreCalibration, plan
+from specdecode.engine.planner import Candidate, PlannerMemory, ScoreCalibration, plan
 from specdecode.engine.request import (
     DONE,
     PREFILL,
@@ -80,7 +80,11 @@ class StepRecord:
 
 
 class Engine:
-    """Runs requests over one shared target. Not thread-safe: one caller drives ``step``."""
+    """Runs requests over one shared target. Not thread-safe: one caller drives ``step``.
+
+    ``memory`` holds what the planner learns beyond any request (forward costs, read rates,
+    score calibrations); give engines over the same target and proposers one to share.
+    """
 
     def __init__(
         self,
@@ -89,6 +93,7 @@ class Engine:
         eos_token_ids: Iterable[int] = (),
         tokenizer: Any = None,
         config: EngineConfig | None = None,
+        memory: PlannerMemory | None = None,
     ) -> None:
         self.target, self.tokenizer = target, tokenizer
         self.eos = frozenset(eos_token_ids)
@@ -96,9 +101,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved = 0  # cache positions held by running requests
-        self.costs = ForwardCosts()
-        self.read_rates: dict[int, float] = {}  # a proposer's measured seconds per context token it reads
-        self.calibrations: dict[int, ScoreCalibration] = {}  # what each proposer's draft scores are worth
+        self.memory = memory or PlannerMemory()  # forward costs, read rates, score calibrations
         self.steps: deque[StepRecord] = deque(maxlen=self.config.step_log)
         self._next_id = 0
 
@@ -197,7 +200,7 @@ class Engine:
         forward_s = time.perf_counter() - t
         n_rows = sum(row.ids.numel() for row in rows)
         if decoding:
-            self.costs.observe(n_rows, forward_s)
+            self.memory.costs.observe(n_rows, forward_s)
             self.steps.append(StepRecord(len(decoding), n_rows, tuple(r.k for r in decoding), forward_s))
         touched = self._accept(rows, logits, hidden, forward_s)
         self._retire()
@@ -260,7 +263,7 @@ class Engine:
             accept = r.policy.accept_when_drafted(optimistic=stale)
             k_max, reach = r.clip(r.policy.k_max), r.policy.reach_by_position()
             candidates.append(Candidate(accept, self._draft_cost(r), k_max, reach, self._setup_cost(r, unpriced)))
-        for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.costs, prefill_rows)):
+        for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.memory.costs, prefill_rows)):
             r.k = k
             r.off_steps = r.off_steps + 1 if k == 0 else 0
             if r in drafted:
@@ -280,7 +283,7 @@ class Engine:
         return Candidate(self._calibration(r).accept_by_position(scores), 0.0, len(scores))
 
     def _calibration(self, r: Request) -> ScoreCalibration:
-        return self.calibrations.setdefault(id(r.spec.proposer), ScoreCalibration())
+        return self.memory.calibrations.setdefault(id(r.spec.proposer), ScoreCalibration())
 
     def _setup_cost(self, r: Request, unpriced: set[int]) -> float:
         """This step's share of the context read a request pays before it drafts again (its
@@ -291,7 +294,7 @@ class Engine:
         if not unread:
             return 0.0
         key = id(r.spec.proposer)
-        rate = self.read_rates.get(key)
+        rate = self.memory.read_rates.get(key)
         if rate is None:
             if key in unpriced:
                 return float("inf")
@@ -302,15 +305,15 @@ class Engine:
     def _priced_read(self, r: Request, tokens: int, seconds: float) -> None:
         if tokens >= 8:  # long enough to time (a prompt, a stretch at k = 0)
             key, rate = id(r.spec.proposer), seconds / tokens
-            old = self.read_rates.get(key)
-            self.read_rates[key] = rate if old is None else 0.7 * old + 0.3 * rate
+            old = self.memory.read_rates.get(key)
+            self.memory.read_rates[key] = rate if old is None else 0.7 * old + 0.3 * rate
 
     def _draft_cost(self, r: Request) -> float:
         """Seconds per drafted token: this request's own measurements, else a small share of c(1)."""
         m = r.metrics
         if m.drafted_tokens:
             return m.draft_s / m.drafted_tokens
-        return 0.05 * self.costs(1)
+        return 0.05 * self.memory.costs(1)
 
     def _propose(self, decoding: list[Request]) -> None:
         """Draft every request's candidates; a proposer that declares batched drafting gets all of
