@@ -95,52 +95,42 @@ class ForwardCosts:
 
 class ScoreCalibration:
     """What a proposer's own scores are worth on this target: P(a draft is accepted | the drafts
-    before it were, its score, its depth), by score bin and depth bucket, learnt from the rounds
-    that verified scored drafts.
+    before it were, its score), by score bin, learnt from the rounds that verified scored drafts.
 
-    Depth matters apart from the score: a lookup whose first drafts held is likely on a long
-    repeat, so its later drafts are accepted far more often than first drafts of the same score
-    (measured on the Qwen pair with suffix scores 0.6-0.7: 56% at depth 1, 87% at 2, 96% at 3-4,
-    100% past 4). ``depths`` are the buckets' first positions (1-based; ``(1,)`` pools them).
-    A cell starts at its own score (the proposer taken at its word) with ``weight`` rounds' worth
+    A bin starts at its own score (the proposer taken at its word) with ``weight`` rounds' worth
     of belief, so a few rounds move it and many settle it; counts past ``horizon`` are scaled
     down, so a long-running engine follows a workload that changes.
     """
 
-    def __init__(
-        self, bins: int = 10, depths: Sequence[int] = (1, 2, 3, 5), weight: float = 4.0, horizon: float = 400.0
-    ) -> None:
-        self.bins, self.depths, self.weight, self.horizon = bins, tuple(depths), weight, horizon
-        self.accepted = [[0.0] * bins for _ in self.depths]  # [depth bucket][score bin]
-        self.judged = [[0.0] * bins for _ in self.depths]
+    def __init__(self, bins: int = 10, weight: float = 4.0, horizon: float = 400.0) -> None:
+        self.bins, self.weight, self.horizon = bins, weight, horizon
+        self.accepted = [0.0] * bins
+        self.judged = [0.0] * bins
 
-    def _cell(self, score: float, position: int) -> tuple[int, int]:
-        bucket = max(bisect.bisect_right(self.depths, position) - 1, 0)
-        return bucket, min(max(int(score * self.bins), 0), self.bins - 1)
+    def _bin(self, score: float) -> int:
+        return min(max(int(score * self.bins), 0), self.bins - 1)
 
-    def rate(self, score: float, position: int = 1) -> float:
-        """P(accepted | all drafts before it accepted) for a draft scored ``score`` at 1-based
-        ``position`` in its chain."""
-        d, b = self._cell(score, position)
+    def rate(self, score: float) -> float:
+        """P(accepted | all drafts before it accepted) for a draft scored ``score``."""
+        b = self._bin(score)
         prior = (b + 0.5) / self.bins
-        return (self.accepted[d][b] + self.weight * prior) / (self.judged[d][b] + self.weight)
+        return (self.accepted[b] + self.weight * prior) / (self.judged[b] + self.weight)
 
     def accept_by_position(self, scores: Sequence[float]) -> list[float]:
         """P(drafts 1..i all accepted) for a chain scored ``scores``."""
-        return list(itertools.accumulate((self.rate(s, i + 1) for i, s in enumerate(scores)), operator.mul))
+        return list(itertools.accumulate((self.rate(s) for s in scores), operator.mul))
 
     def observe(self, scores: Sequence[float], accepted: int) -> None:
         """A verified chain scored ``scores`` had its first ``accepted`` drafts accepted (the
         target judged those and the one after them)."""
         for i, score in enumerate(scores[: accepted + 1]):
-            d, b = self._cell(score, i + 1)
-            accepted_row, judged_row = self.accepted[d], self.judged[d]
-            judged_row[b] += 1.0
-            accepted_row[b] += float(i < accepted)
-            if judged_row[b] > self.horizon:
-                shrink = self.horizon / judged_row[b]
-                judged_row[b] *= shrink
-                accepted_row[b] *= shrink
+            b = self._bin(score)
+            self.judged[b] += 1.0
+            self.accepted[b] += float(i < accepted)
+            if self.judged[b] > self.horizon:
+                shrink = self.horizon / self.judged[b]
+                self.judged[b] *= shrink
+                self.accepted[b] *= shrink
 
 
 class PlannerMemory:
