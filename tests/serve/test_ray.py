@@ -68,6 +68,19 @@ def _complete(url_holder, body) -> tuple[int, dict, str | None]:
     return code, answer, {k.lower(): v for k, v in headers.items()}.get("x-specdecode-replica")
 
 
+def _waves_until_both_replicas(url_holder, body, size: int, pause_s: float = 0.0) -> list:
+    """Waves of ``size`` requests at once until two replicas have answered (at most 60 s and
+    60 requests): the proxy's router learns of a replica through Ray's long poll, and until
+    then it sends everything to the ones it knows. Every answer, in order."""
+    results: list = []
+    deadline = time.monotonic() + 60
+    while len({r for _, _, r in results}) < 2 and time.monotonic() < deadline and len(results) < 60:
+        with ThreadPoolExecutor(size) as pool:
+            results += pool.map(lambda _: _complete(url_holder, body), range(size))
+        time.sleep(pause_s)
+    return results
+
+
 def test_replicas_serve_the_openai_client_like_the_single_server(ray_serve, single):
     for spec in (None, False, {"method": "suffix", "k": 3}):
         extra = {} if spec is None else {"speculative": spec}
@@ -91,13 +104,7 @@ def test_requests_spread_over_both_replicas_and_metrics_say_so(ray_serve):
     from prometheus_client.parser import text_string_to_metric_families
 
     body = {"model": "tiny", "prompt": "spread", "max_tokens": 12, "temperature": 0}
-    results: list = []
-    deadline = time.monotonic() + 60
-    # Waves of 12 at once until both replicas have answered: the proxy's router learns of a
-    # replica through Ray's long poll, and until then it sends everything to the one it knows.
-    while len({r for _, _, r in results}) < 2 and time.monotonic() < deadline and len(results) < 60:
-        with ThreadPoolExecutor(12) as pool:
-            results += pool.map(lambda _: _complete(ray_serve, body), range(12))
+    results = _waves_until_both_replicas(ray_serve, body, 12)
     assert [code for code, _, _ in results] == [200] * len(results)
     assert len({r for _, _, r in results}) == 2  # both replicas answered
     assert len({a["choices"][0]["text"] for _, a, _ in results}) == 1
@@ -149,14 +156,9 @@ def test_a_killed_replica_is_replaced_and_the_other_requests_complete(ray_serve)
             break
         assert time.monotonic() < deadline, f"no replacement replica: {status}"
         time.sleep(0.5)
-    seen: set = set()
-    deadline = time.monotonic() + 60
-    while len(seen) < 2 and time.monotonic() < deadline:  # the proxy learns of the new replica
-        with ThreadPoolExecutor(4) as pool:
-            wave = list(pool.map(lambda _: _complete(ray_serve, {**body, "max_tokens": 24}), range(4)))
-        assert all(code == 200 for code, _, _ in wave)
-        seen |= {replica for _, _, replica in wave}
-        time.sleep(0.5)
+    waves = _waves_until_both_replicas(ray_serve, {**body, "max_tokens": 24}, 4, pause_s=0.5)  # the new one too
+    assert all(code == 200 for code, _, _ in waves)
+    seen = {replica for _, _, replica in waves}
     assert killed not in seen and len(seen) == 2
 
 

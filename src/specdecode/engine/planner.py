@@ -140,8 +140,9 @@ class PlannerMemory:
 
     An engine makes its own unless given one; a :class:`~specdecode.engine.loop.Decoder` gives
     every run the same, so one request after another starts from what the last ones measured
-    instead of from priors. Engines sharing one memory from several threads may interleave
-    updates; each update is a few assignments, and a lost one only delays learning.
+    instead of from priors. It takes no lock: engines sharing it from several threads may
+    interleave updates (a measurement lost, a row count listed twice in the cost curve's index),
+    which leaves the estimates usable.
     """
 
     def __init__(self) -> None:
