@@ -4,7 +4,9 @@
 // RoPE on q and k, k and v stored into the cache, then for every (row, head) softmax(q K / sqrt(d)) V
 // over exactly the positions the row may see. One row's result never depends on the other rows
 // of the call (the same instructions in the same order), so a k-token verify is bitwise a
-// sequence of 1-token decodes, without the per-row SDPA calls that cost ~60 us each.
+// sequence of 1-token decodes, without the per-row SDPA calls that cost ~60 us each. Sums keep that
+// order but run several at once (four keys' dots, eight chunks of the output), since one FMA chain
+// at a time left the kernel waiting on FMA latency.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -61,6 +63,21 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// dot(q, k[r], d) for four keys, each its own chain in dot's order (bitwise dot's result): four
+// chains in flight instead of one.
+inline void dot4(const float* q, const float* const* k, int64_t d, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t j = 0; j < d; j += 16) {
+    const __m512 x = _mm512_loadu_ps(q + j);
+    a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[0] + j), a0);
+    a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[1] + j), a1);
+    a2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[2] + j), a2);
+    a3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[3] + j), a3);
+  }
+  out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
+  out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
+}
+
 // score[0..m) <- exp(score - top); returns their sum
 inline float exp_sum(float* score, int64_t m, float top) {
   __m512 total = _mm512_setzero_ps();
@@ -79,15 +96,22 @@ inline float exp_sum(float* score, int64_t m, float top) {
   return _mm512_reduce_add_ps(total);
 }
 
-// o[0..d) <- inv * sum_t score[t] * v[seen[t]]
-inline void mix(const float* score, const int64_t* seen, int64_t m, const float* v, int64_t d, float inv, float* o) {
-  for (int64_t j = 0; j < d; j += 16) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t t = 0; t < m; ++t)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(score[t]), _mm512_loadu_ps(v + seen[t] * d + j), acc);
-    _mm512_storeu_ps(o + j, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+// o[j0..j0 + 16 C) <- inv * sum_t score[t] * v[seen[t]] there: C independent chains, each element
+// summed over t in order with one fma a step (a single chain waited ~4 cycles for each step).
+template <int C>
+inline void mix_block(const float* score, const int64_t* seen, int64_t m, const float* v, int64_t d, float inv,
+                      float* o, int64_t j0) {
+  __m512 a[C];
+  for (int c = 0; c < C; ++c) a[c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < m; ++t) {
+    const __m512 w = _mm512_set1_ps(score[t]);
+    const float* r = v + seen[t] * d + j0;
+    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(r + 16 * c), a[c]);
   }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + j0 + 16 * c, _mm512_mul_ps(a[c], _mm512_set1_ps(inv)));
 }
+
+constexpr int64_t LANES = 16;
 
 #else  // AVX2 + FMA: the same steps on 8 lanes
 
@@ -95,6 +119,20 @@ inline float dot(const float* a, const float* b, int64_t d) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < d; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
   return hsum(acc);
+}
+
+// dot(q, k[r], d) for four keys, each its own chain in dot's order (bitwise dot's result): four
+// chains in flight instead of one.
+inline void dot4(const float* q, const float* const* k, int64_t d, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t j = 0; j < d; j += 8) {
+    const __m256 x = _mm256_loadu_ps(q + j);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + j), a0);
+    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + j), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + j), a2);
+    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + j), a3);
+  }
+  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
 }
 
 inline float exp_sum(float* score, int64_t m, float top) {
@@ -115,16 +153,30 @@ inline float exp_sum(float* score, int64_t m, float top) {
   return hsum(total);
 }
 
-inline void mix(const float* score, const int64_t* seen, int64_t m, const float* v, int64_t d, float inv, float* o) {
-  for (int64_t j = 0; j < d; j += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t t = 0; t < m; ++t)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(score[t]), _mm256_loadu_ps(v + seen[t] * d + j), acc);
-    _mm256_storeu_ps(o + j, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+template <int C>
+inline void mix_block(const float* score, const int64_t* seen, int64_t m, const float* v, int64_t d, float inv,
+                      float* o, int64_t j0) {
+  __m256 a[C];
+  for (int c = 0; c < C; ++c) a[c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < m; ++t) {
+    const __m256 w = _mm256_set1_ps(score[t]);
+    const float* r = v + seen[t] * d + j0;
+    for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8 * c), a[c]);
   }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + j0 + 8 * c, _mm256_mul_ps(a[c], _mm256_set1_ps(inv)));
 }
 
+constexpr int64_t LANES = 8;
+
 #endif
+
+// o[0..d) <- inv * sum_t score[t] * v[seen[t]], eight vectors of o at a time, then four, then one
+inline void mix(const float* score, const int64_t* seen, int64_t m, const float* v, int64_t d, float inv, float* o) {
+  int64_t j = 0;
+  for (; j + 8 * LANES <= d; j += 8 * LANES) mix_block<8>(score, seen, m, v, d, inv, o, j);
+  for (; j + 4 * LANES <= d; j += 4 * LANES) mix_block<4>(score, seen, m, v, d, inv, o, j);
+  for (; j < d; j += LANES) mix_block<1>(score, seen, m, v, d, inv, o, j);
+}
 
 // rotate-half RoPE of one head vector: y = x * cos + [-x2, x1] * sin
 inline void rope(const float* x, const float* c, const float* s, float* y, int64_t d) {
@@ -235,7 +287,13 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
       for (int64_t p = 0; p < end; ++p)
         if (masked ? allowed[i * end + p] : p <= start + i) seen[m++] = p;
       float top = -INFINITY;
-      for (int64_t t = 0; t < m; ++t) {
+      int64_t t = 0;
+      for (; t + 4 <= m; t += 4) {
+        const float* k[4] = {kg + seen[t] * d, kg + seen[t + 1] * d, kg + seen[t + 2] * d, kg + seen[t + 3] * d};
+        dot4(qv, k, d, score.data() + t);
+        for (int r = 0; r < 4; ++r) score[t + r] *= scale, top = std::max(top, score[t + r]);
+      }
+      for (; t < m; ++t) {
         score[t] = dot(qv, kg + seen[t] * d, d) * scale;
         top = std::max(top, score[t]);
       }
