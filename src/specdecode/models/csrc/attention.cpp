@@ -6,7 +6,8 @@
 // of the call (the same instructions in the same order), so a k-token verify is bitwise a
 // sequence of 1-token decodes, without the per-row SDPA calls that cost ~60 us each. Sums keep that
 // order but run several at once (four keys' dots, eight chunks of the output), since one FMA chain
-// at a time left the kernel waiting on FMA latency.
+// at a time left the kernel waiting on FMA latency; the heads sharing a KV head pass over it a tile
+// of keys at a time, so the cache is read from memory once per row rather than once per head.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -17,6 +18,10 @@
 #include <vector>
 
 namespace {
+
+// keys a unit's heads pass over together: 256 keys' and values' rows (256 KB at head dim 128) stay
+// in a core's L2 while each head reads them
+constexpr int64_t TILE = 256;
 
 // 2^f for f in [-0.5, 0.5]: degree-6 polynomial, highest power first (relative error ~2e-7)
 constexpr float EXP2_POLY[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
@@ -96,19 +101,19 @@ inline float exp_sum(float* score, int64_t m, float top) {
   return _mm512_reduce_add_ps(total);
 }
 
-// o[j0..j0 + 16 C) <- inv * sum_t score[t] * v[seen[t]] there: C independent chains, each element
-// summed over t in order with one fma a step (a single chain waited ~4 cycles for each step).
+// acc[0..16 C) += sum over t in [t0, t1) of score[t] * v[seen[t]][j0..]: C independent chains, each
+// element summed over t in order with one fma a step (a single chain waited ~4 cycles a step).
 template <int C>
-inline void mix_block(const float* score, const int64_t* seen, int64_t m, const float* v, int64_t d, float inv,
-                      float* o, int64_t j0) {
+inline void mix_block(const float* score, const int64_t* seen, int64_t t0, int64_t t1, const float* v, int64_t d,
+                      int64_t j0, float* acc) {
   __m512 a[C];
-  for (int c = 0; c < C; ++c) a[c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < m; ++t) {
+  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t t = t0; t < t1; ++t) {
     const __m512 w = _mm512_set1_ps(score[t]);
     const float* r = v + seen[t] * d + j0;
     for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(r + 16 * c), a[c]);
   }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + j0 + 16 * c, _mm512_mul_ps(a[c], _mm512_set1_ps(inv)));
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
 
 constexpr int64_t LANES = 16;
@@ -154,28 +159,45 @@ inline float exp_sum(float* score, int64_t m, float top) {
 }
 
 template <int C>
-inline void mix_block(const float* score, const int64_t* seen, int64_t m, const float* v, int64_t d, float inv,
-                      float* o, int64_t j0) {
+inline void mix_block(const float* score, const int64_t* seen, int64_t t0, int64_t t1, const float* v, int64_t d,
+                      int64_t j0, float* acc) {
   __m256 a[C];
-  for (int c = 0; c < C; ++c) a[c] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < m; ++t) {
+  for (int c = 0; c < C; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int64_t t = t0; t < t1; ++t) {
     const __m256 w = _mm256_set1_ps(score[t]);
     const float* r = v + seen[t] * d + j0;
     for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8 * c), a[c]);
   }
-  for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + j0 + 8 * c, _mm256_mul_ps(a[c], _mm256_set1_ps(inv)));
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
 
 constexpr int64_t LANES = 8;
 
 #endif
 
-// o[0..d) <- inv * sum_t score[t] * v[seen[t]], eight vectors of o at a time, then four, then one
-inline void mix(const float* score, const int64_t* seen, int64_t m, const float* v, int64_t d, float inv, float* o) {
+// o[0..d) += sum over t in [t0, t1) of score[t] * v[seen[t]], eight vectors of o at a time, then
+// four, then one. Called tile after tile from o = 0, each element's sum runs over t in order.
+inline void mix(const float* score, const int64_t* seen, int64_t t0, int64_t t1, const float* v, int64_t d, float* o) {
   int64_t j = 0;
-  for (; j + 8 * LANES <= d; j += 8 * LANES) mix_block<8>(score, seen, m, v, d, inv, o, j);
-  for (; j + 4 * LANES <= d; j += 4 * LANES) mix_block<4>(score, seen, m, v, d, inv, o, j);
-  for (; j < d; j += LANES) mix_block<1>(score, seen, m, v, d, inv, o, j);
+  for (; j + 8 * LANES <= d; j += 8 * LANES) mix_block<8>(score, seen, t0, t1, v, d, j, o + j);
+  for (; j + 4 * LANES <= d; j += 4 * LANES) mix_block<4>(score, seen, t0, t1, v, d, j, o + j);
+  for (; j < d; j += LANES) mix_block<1>(score, seen, t0, t1, v, d, j, o + j);
+}
+
+// score[t0..t1) <- dot(q, k[seen[t]]) * scale; returns max(top, their max)
+inline float scores(const float* q, const float* k, const int64_t* seen, int64_t t0, int64_t t1, int64_t d,
+                    float scale, float top, float* score) {
+  int64_t t = t0;
+  for (; t + 4 <= t1; t += 4) {
+    const float* rows[4] = {k + seen[t] * d, k + seen[t + 1] * d, k + seen[t + 2] * d, k + seen[t + 3] * d};
+    dot4(q, rows, d, score + t);
+    for (int r = 0; r < 4; ++r) score[t + r] *= scale, top = std::max(top, score[t + r]);
+  }
+  for (; t < t1; ++t) {
+    score[t] = dot(q, k + seen[t] * d, d) * scale;
+    top = std::max(top, score[t]);
+  }
+  return top;
 }
 
 // rotate-half RoPE of one head vector: y = x * cos + [-x2, x1] * sin
@@ -275,30 +297,36 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
   float* y = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t group = hq / hkv;
-  at::parallel_for(0, n * hq, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> score(end + 16);
+  // A unit is one row and the query heads of one KV head (half of them when there are too few
+  // units to keep every thread busy): its heads pass over the keys and values a tile at a time,
+  // so a tile is read from memory once and from cache by the other heads.
+  const int64_t split = (n * hkv >= 2 * at::get_num_threads() || group == 1) ? 1 : 2;
+  const int64_t per = (group + split - 1) / split;
+  at::parallel_for(0, n * hkv * split, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> score(per * (end + 16));
     std::vector<int64_t> seen(end);
+    std::vector<float> top(per);
     for (int64_t u = lo; u < hi; ++u) {
-      const int64_t i = u / hq, h = u % hq, g = h / group;
-      const float* qv = qr + u * d;
+      const int64_t i = u / (hkv * split), g = u / split % hkv;
+      const int64_t h0 = g * group + u % split * per, hn = std::min(per, (g + 1) * group - h0);
       const float* kg = kc + g * cap * d;
       const float* vg = vc + g * cap * d;
+      float* o = y + (i * hq + h0) * d;
       int64_t m = 0;  // the positions row i sees, in order
       for (int64_t p = 0; p < end; ++p)
         if (masked ? allowed[i * end + p] : p <= start + i) seen[m++] = p;
-      float top = -INFINITY;
-      int64_t t = 0;
-      for (; t + 4 <= m; t += 4) {
-        const float* k[4] = {kg + seen[t] * d, kg + seen[t + 1] * d, kg + seen[t + 2] * d, kg + seen[t + 3] * d};
-        dot4(qv, k, d, score.data() + t);
-        for (int r = 0; r < 4; ++r) score[t + r] *= scale, top = std::max(top, score[t + r]);
-      }
-      for (; t < m; ++t) {
-        score[t] = dot(qv, kg + seen[t] * d, d) * scale;
-        top = std::max(top, score[t]);
-      }
-      const float inv = 1.0f / exp_sum(score.data(), m, top);
-      mix(score.data(), seen.data(), m, vg, d, inv, y + i * hq * d + h * d);
+      std::fill(top.begin(), top.end(), -INFINITY);
+      for (int64_t t0 = 0; t0 < m; t0 += TILE)
+        for (int64_t h = 0; h < hn; ++h)
+          top[h] = scores(qr + (i * hq + h0 + h) * d, kg, seen.data(), t0, std::min(m, t0 + TILE), d, scale, top[h],
+                          score.data() + h * (end + 16));
+      for (int64_t h = 0; h < hn; ++h) top[h] = 1.0f / exp_sum(score.data() + h * (end + 16), m, top[h]);  // now 1 / sum
+      std::fill(o, o + hn * d, 0.0f);
+      for (int64_t t0 = 0; t0 < m; t0 += TILE)
+        for (int64_t h = 0; h < hn; ++h)
+          mix(score.data() + h * (end + 16), seen.data(), t0, std::min(m, t0 + TILE), vg, d, o + h * d);
+      for (int64_t h = 0; h < hn; ++h)
+        for (int64_t j = 0; j < d; ++j) o[h * d + j] *= top[h];
     }
   });
   return out;
