@@ -62,26 +62,15 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t j = 0; j < d; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
-  return _mm512_reduce_add_ps(acc);
-}
-
-// dot(q, k[r], d) for four keys, each its own chain in dot's order (bitwise dot's result): four
-// chains in flight instead of one.
-inline void dot4(const float* q, const float* const* k, int64_t d, float* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t j = 0; j < d; j += 16) {
-    const __m512 x = _mm512_loadu_ps(q + j);
-    a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[0] + j), a0);
-    a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[1] + j), a1);
-    a2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[2] + j), a2);
-    a3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[3] + j), a3);
-  }
-  out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
-  out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
-}
+// the few vector operations the shared steps below are written in
+using Vec = __m512;
+constexpr int64_t LANES = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 
 // score[0..m) <- exp(score - top); returns their sum
 inline float exp_sum(float* score, int64_t m, float top) {
@@ -101,44 +90,16 @@ inline float exp_sum(float* score, int64_t m, float top) {
   return _mm512_reduce_add_ps(total);
 }
 
-// acc[0..16 C) += sum over t in [t0, t1) of score[t] * v[seen[t]][j0..]: C independent chains, each
-// element summed over t in order with one fma a step (a single chain waited ~4 cycles a step).
-template <int C>
-inline void mix_block(const float* score, const int64_t* seen, int64_t t0, int64_t t1, const float* v, int64_t d,
-                      int64_t j0, float* acc) {
-  __m512 a[C];
-  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
-  for (int64_t t = t0; t < t1; ++t) {
-    const __m512 w = _mm512_set1_ps(score[t]);
-    const float* r = v + seen[t] * d + j0;
-    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(r + 16 * c), a[c]);
-  }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
-}
-
-constexpr int64_t LANES = 16;
-
 #else  // AVX2 + FMA: the same steps on 8 lanes
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t j = 0; j < d; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-  return hsum(acc);
-}
-
-// dot(q, k[r], d) for four keys, each its own chain in dot's order (bitwise dot's result): four
-// chains in flight instead of one.
-inline void dot4(const float* q, const float* const* k, int64_t d, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t j = 0; j < d; j += 8) {
-    const __m256 x = _mm256_loadu_ps(q + j);
-    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + j), a0);
-    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + j), a1);
-    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + j), a2);
-    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + j), a3);
-  }
-  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
-}
+using Vec = __m256;
+constexpr int64_t LANES = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return hsum(v); }
 
 inline float exp_sum(float* score, int64_t m, float top) {
   __m256 total = _mm256_setzero_ps();
@@ -158,22 +119,43 @@ inline float exp_sum(float* score, int64_t m, float top) {
   return hsum(total);
 }
 
+#endif
+
+// dot(a, b) over d floats: one chain, LANES floats a step
+inline float dot(const float* a, const float* b, int64_t d) {
+  Vec acc = vzero();
+  for (int64_t j = 0; j < d; j += LANES) acc = vfma(vload(a + j), vload(b + j), acc);
+  return vsum(acc);
+}
+
+// dot(q, k[r], d) for four keys, each its own chain in dot's order (bitwise dot's result): four
+// chains in flight instead of one.
+inline void dot4(const float* q, const float* const* k, int64_t d, float* out) {
+  Vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t j = 0; j < d; j += LANES) {
+    const Vec x = vload(q + j);
+    a0 = vfma(x, vload(k[0] + j), a0);
+    a1 = vfma(x, vload(k[1] + j), a1);
+    a2 = vfma(x, vload(k[2] + j), a2);
+    a3 = vfma(x, vload(k[3] + j), a3);
+  }
+  out[0] = vsum(a0), out[1] = vsum(a1), out[2] = vsum(a2), out[3] = vsum(a3);
+}
+
+// acc[0..LANES C) += sum over t in [t0, t1) of score[t] * v[seen[t]][j0..]: C independent chains,
+// each element summed over t in order with one fma a step (a single chain waited ~4 cycles a step).
 template <int C>
 inline void mix_block(const float* score, const int64_t* seen, int64_t t0, int64_t t1, const float* v, int64_t d,
                       int64_t j0, float* acc) {
-  __m256 a[C];
-  for (int c = 0; c < C; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  Vec a[C];
+  for (int c = 0; c < C; ++c) a[c] = vload(acc + LANES * c);
   for (int64_t t = t0; t < t1; ++t) {
-    const __m256 w = _mm256_set1_ps(score[t]);
+    const Vec w = vset1(score[t]);
     const float* r = v + seen[t] * d + j0;
-    for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8 * c), a[c]);
+    for (int c = 0; c < C; ++c) a[c] = vfma(w, vload(r + LANES * c), a[c]);
   }
-  for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+  for (int c = 0; c < C; ++c) vstore(acc + LANES * c, a[c]);
 }
-
-constexpr int64_t LANES = 8;
-
-#endif
 
 // o[0..d) += sum over t in [t0, t1) of score[t] * v[seen[t]], eight vectors of o at a time, then
 // four, then one. Called tile after tile from o = 0, each element's sum runs over t in order.
@@ -305,7 +287,7 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
   at::parallel_for(0, n * hkv * split, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> score(per * (end + 16));
     std::vector<int64_t> seen(end);
-    std::vector<float> top(per);
+    std::vector<float> top(per), inv(per);
     for (int64_t u = lo; u < hi; ++u) {
       const int64_t i = u / (hkv * split), g = u / split % hkv;
       const int64_t h0 = g * group + u % split * per, hn = std::min(per, (g + 1) * group - h0);
@@ -320,13 +302,13 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
         for (int64_t h = 0; h < hn; ++h)
           top[h] = scores(qr + (i * hq + h0 + h) * d, kg, seen.data(), t0, std::min(m, t0 + TILE), d, scale, top[h],
                           score.data() + h * (end + 16));
-      for (int64_t h = 0; h < hn; ++h) top[h] = 1.0f / exp_sum(score.data() + h * (end + 16), m, top[h]);  // now 1 / sum
+      for (int64_t h = 0; h < hn; ++h) inv[h] = 1.0f / exp_sum(score.data() + h * (end + 16), m, top[h]);
       std::fill(o, o + hn * d, 0.0f);
       for (int64_t t0 = 0; t0 < m; t0 += TILE)
         for (int64_t h = 0; h < hn; ++h)
           mix(score.data() + h * (end + 16), seen.data(), t0, std::min(m, t0 + TILE), vg, d, o + h * d);
       for (int64_t h = 0; h < hn; ++h)
-        for (int64_t j = 0; j < d; ++j) o[h * d + j] *= top[h];
+        for (int64_t j = 0; j < d; ++j) o[h * d + j] *= inv[h];
     }
   });
   return out;
