@@ -18,8 +18,8 @@ from helpers import ALPHA, MarkovLM, chi_square_pvalue, sequence_law, tiny_llama
 from specdecode.core.sampling import SamplingConfig, logits_to_probs
 from specdecode.core.verify import Draft
 from specdecode.engine import Decoder, Engine, EngineConfig, GenerationConfig, Speculation, TreeConfig
-from specdecode.engine.planner import Candidate, ForwardCosts, ScoreCalibration, plan
-from specdecode.engine.policy import AutoK, make_policy
+from specdecode.engine.planner import AcceptanceHistory, Candidate, ForwardCosts, ScoreCalibration, plan
+from specdecode.engine.policy import AcceptanceEstimates, AutoK, make_policy
 from specdecode.engine.request import DONE, PREFILL, RUNNING, WAITING, Request
 from specdecode.errors import ConfigError, InputError, QueueFullError
 from specdecode.models import int8dot, native
@@ -534,6 +534,49 @@ def test_a_decoders_runs_share_what_the_planner_learnt():
     assert second.result().token_ids == alone(target, [4, 3, 2, 1], 16)
     assert sum(decoder.memory.calibrations[id(decoder.spec.proposer)].judged) > judged > 0
     assert Engine(target).memory is not decoder.memory  # an engine of its own learns alone
+
+
+def test_a_proposers_next_request_starts_from_what_its_last_ones_measured():
+    """A short request is over before its own estimates leave the flat prior, so the engine keeps
+    each proposer's acceptance by position and draft speed from the requests that finished and
+    starts the next request of that proposer there. Tokens are unchanged."""
+    target, twin = tiny_native(vocab=8, seed=5, layers=2), tiny_native(vocab=8, seed=5, layers=2)
+    spec = Speculation(DraftModelProposer(twin), policy=make_policy("auto", 4))  # drafts what the target says
+    engine = Engine(target)
+    for n in (1, 200):  # a fixed flat curve of slow forwards: drafting always pays, whatever the load
+        engine.memory.costs.observe(n, 1.0 + 0.0001 * n)
+    engine.memory.costs.ema = 0.0
+    first = engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=24), spec)[0]
+    assert first.token_ids == alone(target, [1, 2, 3], 24)
+    history, key = engine.memory.acceptance[id(spec.proposer)], id(spec.proposer)
+    assert history.rounds > 0 and history.estimates.cond[0] > 0.8 > 0.6  # above the flat prior
+    assert engine.memory.draft_rates[key] > 0
+    second = engine.submit([4, 3, 2, 1], GenerationConfig(max_new_tokens=24), spec)
+    engine.step()  # admitted; its prompt is fed, no round judged yet
+    assert second.policy.estimates() == history.estimates
+    engine.run()
+    assert second.result.token_ids == alone(target, [4, 3, 2, 1], 24)
+
+
+def test_acceptance_history_weighs_requests_by_their_rounds_and_forgets_slowly():
+    def est(a: float) -> AcceptanceEstimates:
+        return AcceptanceEstimates((a, a), (a, a * a), (1.0, 1.0))
+
+    history = AcceptanceHistory(horizon=10.0)
+    history.observe(est(0.2), 0)  # drafted nothing: measured nothing
+    assert history.estimates is None
+    history.observe(est(0.2), 4)
+    history.observe(est(0.8), 12)  # three times the rounds: three quarters of the weight
+    assert history.estimates.cond == pytest.approx((0.65, 0.65)) and history.rounds == 10.0
+    history.observe(est(0.0), 10)  # past the horizon, the old rounds count as ``horizon`` only
+    assert history.estimates.cond == pytest.approx((0.325, 0.325))
+    history.observe(AcceptanceEstimates((0.5,), (0.5,), (1.0,)), 2)  # another k_max: starts over
+    assert history.estimates.cond == (0.5,) and history.rounds == 2.0
+    policy = AutoK(2)
+    policy.start_from(est(0.9))
+    assert policy.estimates() == est(0.9) and policy.accept_when_drafted() == [0.9, 0.81]
+    policy.start_from(AcceptanceEstimates((0.1,) * 3, (0.1,) * 3, (1.0,) * 3))  # made for k_max 3: ignored
+    assert policy.estimates() == est(0.9)
 
 
 def _scored_pvalue(sampled: bool) -> float:

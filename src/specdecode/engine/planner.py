@@ -22,6 +22,8 @@ import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from specdecode.engine.policy import AcceptanceEstimates
+
 
 class ForwardCosts:
     """Seconds of one target forward over n rows: an EMA per row count, linear in between and
@@ -133,10 +135,36 @@ class ScoreCalibration:
                 self.accepted[b] *= shrink
 
 
+class AcceptanceHistory:
+    """A proposer's acceptance by position as its finished requests measured it, so that the next
+    request starts from it instead of from the flat prior. A short request (a chat turn of a few
+    dozen tokens) is over before its own estimates leave that prior, and the planner, pricing a
+    good drafter by the prior, drafts too little to learn better: a drafter that pays at fixed k
+    stayed off. Requests weigh by the rounds they drafted; past ``horizon`` rounds the old ones
+    are scaled down, so the history follows a workload that changes.
+    """
+
+    def __init__(self, horizon: float = 64.0) -> None:
+        self.horizon = horizon
+        self.estimates: AcceptanceEstimates | None = None
+        self.rounds = 0.0
+
+    def observe(self, estimates: AcceptanceEstimates, rounds: int) -> None:
+        """A finished request's final estimates, made over ``rounds`` drafting rounds."""
+        if rounds <= 0:
+            return
+        if self.estimates is None or len(self.estimates.cond) != len(estimates.cond):
+            self.estimates, self.rounds = estimates, min(float(rounds), self.horizon)
+            return
+        self.estimates = self.estimates.blend(estimates, rounds / (self.rounds + rounds))
+        self.rounds = min(self.rounds + rounds, self.horizon)
+
+
 class PlannerMemory:
     """What an engine learns about its target and proposers, apart from any request: forward
-    costs by row count, each proposer's seconds per context token read, each proposer's score
-    calibration (keyed by the proposer object's id, which the owner of this memory keeps alive).
+    costs by row count, and for each proposer its seconds per context token read and per token
+    drafted, its score calibration and its acceptance history (keyed by the proposer object's
+    id, which the owner of this memory keeps alive).
 
     An engine makes its own unless given one; a :class:`~specdecode.engine.loop.Decoder` gives
     every run the same, so one request after another starts from what the last ones measured
@@ -149,6 +177,8 @@ class PlannerMemory:
         self.costs = ForwardCosts()
         self.read_rates: dict[int, float] = {}  # a proposer's measured seconds per context token it reads
         self.calibrations: dict[int, ScoreCalibration] = {}  # what each proposer's draft scores are worth
+        self.draft_rates: dict[int, float] = {}  # a proposer's seconds per drafted token, over finished requests
+        self.acceptance: dict[int, AcceptanceHistory] = {}  # where each proposer's next request starts
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from specdecode.core.cost_model import best_k, predict_tokens_per_s
@@ -32,6 +33,26 @@ class KPolicy(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class AcceptanceEstimates:
+    """A planned policy's acceptance estimates by position 1..k_max (see :class:`AutoK`): what a
+    request learnt, and what the next request of the same proposer can start from."""
+
+    cond: tuple[float, ...]  # P(accept position i | all before it accepted)
+    drafted_accept: tuple[float, ...]  # P(positions 1..i all accepted | position i drafted)
+    reach: tuple[float, ...]  # P(the proposer drafts position i | asked for it)
+
+    def blend(self, other: AcceptanceEstimates, weight: float) -> AcceptanceEstimates:
+        """``weight`` of ``other`` mixed into these, position by position."""
+
+        def mix(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+            return tuple((1 - weight) * x + weight * y for x, y in zip(a, b))
+
+        return AcceptanceEstimates(
+            mix(self.cond, other.cond), mix(self.drafted_accept, other.drafted_accept), mix(self.reach, other.reach)
+        )
+
+
 class PlannedPolicy(KPolicy, Protocol):
     """A policy with ``batch_planned`` True: the engine's batch planner reads its live estimates."""
 
@@ -47,6 +68,15 @@ class PlannedPolicy(KPolicy, Protocol):
 
     def reach_by_position(self) -> list[float]:
         """P(the proposer drafts position i | asked for it), i = 1..k_max."""
+        ...
+
+    def estimates(self) -> AcceptanceEstimates:
+        """The live estimates (for the requests that come after this one)."""
+        ...
+
+    def start_from(self, estimates: AcceptanceEstimates) -> None:
+        """Begin this request from earlier requests' estimates instead of the flat prior
+        (ignored when they were made for another k_max)."""
         ...
 
 
@@ -198,6 +228,15 @@ class AutoK:
 
     def reach_by_position(self) -> list[float]:
         return list(self.reach)
+
+    def estimates(self) -> AcceptanceEstimates:
+        return AcceptanceEstimates(tuple(self.cond), tuple(self.drafted_accept), tuple(self.reach))
+
+    def start_from(self, estimates: AcceptanceEstimates) -> None:
+        if len(estimates.cond) != self.k_max:
+            return
+        self.cond, self.drafted_accept = list(estimates.cond), list(estimates.drafted_accept)
+        self.reach = list(estimates.reach)
 
     def accept_by_position(self) -> list[float]:
         return _cumulative(self.cond)

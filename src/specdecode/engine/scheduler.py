@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from specdecode.engine.planner import Candidate, PlannerMemory, ScoreCalibration, plan
+from specdecode.engine.planner import AcceptanceHistory, Candidate, PlannerMemory, ScoreCalibration, plan
+from specdecode.engine.policy import PlannedPolicy
 from specdecode.engine.request import (
     DONE,
     PREFILL,
@@ -221,6 +222,7 @@ class Engine:
                 break  # first come, first served: later requests wait too
             self.waiting.popleft()
             r.admit()
+            self._start_from_history(r)
             self.reserved += r.capacity
             self.running.append(r)
 
@@ -309,11 +311,32 @@ class Engine:
             self.memory.read_rates[key] = rate if old is None else 0.7 * old + 0.3 * rate
 
     def _draft_cost(self, r: Request) -> float:
-        """Seconds per drafted token: this request's own measurements, else a small share of c(1)."""
+        """Seconds per drafted token: this request's own measurements, else its proposer's on
+        earlier requests, else a small share of c(1)."""
         m = r.metrics
         if m.drafted_tokens:
             return m.draft_s / m.drafted_tokens
-        return 0.05 * self.memory.costs(1)
+        rate = self.memory.draft_rates.get(id(r.spec.proposer))
+        return rate if rate is not None else 0.05 * self.memory.costs(1)
+
+    def _start_from_history(self, r: Request) -> None:
+        """A planned request starts from what its proposer's earlier requests measured."""
+        history = self.memory.acceptance.get(id(r.spec.proposer)) if r.spec.batch_planned else None
+        if history is not None and history.estimates is not None:
+            policy: PlannedPolicy = r.policy  # batch_planned: the policy is a PlannedPolicy
+            policy.start_from(history.estimates)
+
+    def _remember(self, r: Request) -> None:
+        """Fold a leaving request's acceptance estimates and draft speed into its proposer's."""
+        if not r.spec.batch_planned:
+            return
+        key, m = id(r.spec.proposer), r.metrics
+        policy: PlannedPolicy = r.policy
+        rounds = sum(k > 0 for k in m.k_history)
+        self.memory.acceptance.setdefault(key, AcceptanceHistory()).observe(policy.estimates(), rounds)
+        if m.drafted_tokens:
+            rate, old = m.draft_s / m.drafted_tokens, self.memory.draft_rates.get(key)
+            self.memory.draft_rates[key] = rate if old is None else 0.7 * old + 0.3 * rate
 
     def _propose(self, decoding: list[Request]) -> None:
         """Draft every request's candidates; a proposer that declares batched drafting gets all of
@@ -390,6 +413,7 @@ class Engine:
         self.running = [r for r in self.running if r.status != DONE]
 
     def _close(self, r: Request) -> None:
+        self._remember(r)
         r.finish()
         r.free()
         self.reserved -= r.capacity
