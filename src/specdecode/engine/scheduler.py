@@ -306,9 +306,7 @@ class Engine:
 
     def _priced_read(self, r: Request, tokens: int, seconds: float) -> None:
         if tokens >= 8:  # long enough to time (a prompt, a stretch at k = 0)
-            key, rate = id(r.spec.proposer), seconds / tokens
-            old = self.memory.read_rates.get(key)
-            self.memory.read_rates[key] = rate if old is None else 0.7 * old + 0.3 * rate
+            _fold(self.memory.read_rates, id(r.spec.proposer), seconds / tokens)
 
     def _draft_cost(self, r: Request) -> float:
         """Seconds per drafted token: this request's own measurements, else its proposer's on
@@ -332,11 +330,10 @@ class Engine:
             return
         key, m = id(r.spec.proposer), r.metrics
         policy: PlannedPolicy = r.policy
-        rounds = sum(k > 0 for k in m.k_history)
+        rounds = m.position_drafted[0] if m.position_drafted else 0  # rounds that drafted
         self.memory.acceptance.setdefault(key, AcceptanceHistory()).observe(policy.estimates(), rounds)
         if m.drafted_tokens:
-            rate, old = m.draft_s / m.drafted_tokens, self.memory.draft_rates.get(key)
-            self.memory.draft_rates[key] = rate if old is None else 0.7 * old + 0.3 * rate
+            _fold(self.memory.draft_rates, key, m.draft_s / m.drafted_tokens)
 
     def _propose(self, decoding: list[Request]) -> None:
         """Draft every request's candidates; a proposer that declares batched drafting gets all of
@@ -428,6 +425,12 @@ class Engine:
             acc[0] += sum(s.ks)
             acc[1] += len(s.ks)
         return {b: total / n for b, (total, n) in sorted(sums.items())}
+
+
+def _fold(rates: dict[int, float], key: int, rate: float) -> None:
+    """A proposer's running rate (seconds per token): 30% the newest measurement."""
+    old = rates.get(key)
+    rates[key] = rate if old is None else 0.7 * old + 0.3 * rate
 
 
 __all__ = ["Engine", "EngineConfig", "StepRecord", "WAITING", "PREFILL", "RUNNING", "DONE"]
