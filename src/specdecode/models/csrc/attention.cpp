@@ -7,7 +7,8 @@
 // sequence of 1-token decodes, without the per-row SDPA calls that cost ~60 us each. Sums keep that
 // order but run several at once (four keys' dots, eight chunks of the output), since one FMA chain
 // at a time left the kernel waiting on FMA latency; the heads sharing a KV head pass over it a tile
-// of keys at a time, so the cache is read from memory once per row rather than once per head.
+// of keys at a time, so the cache is read from memory once per row rather than once per head, and
+// two heads at a time share each key's and value's loads (scores2, mix2).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -19,9 +20,11 @@
 
 namespace {
 
-// keys a unit's heads pass over together: 256 keys' and values' rows (256 KB at head dim 128) stay
-// in a core's L2 while each head reads them
-constexpr int64_t TILE = 256;
+// keys a unit's heads pass over together: 16 keys' and values' rows (16 KB at head dim 128) stay
+// in a core's L1 while each head reads them. 256 (L2-sized) left every head reading the tile from
+// L2, which bounded the kernel: 16 took 0.76-0.86x its time on a Zen 4 (contexts 100-1000, 1-8
+// rows; BENCHMARKS.md). The sums are the same either way: each still runs over the keys in order.
+constexpr int64_t TILE = 16;
 
 // 2^f for f in [-0.5, 0.5]: degree-6 polynomial, highest power first (relative error ~2e-7)
 constexpr float EXP2_POLY[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
@@ -166,6 +169,37 @@ inline void mix(const float* score, const int64_t* seen, int64_t t0, int64_t t1,
   for (; j < d; j += LANES) mix_block<1>(score, seen, t0, t1, v, d, j, o + j);
 }
 
+// mix_block for two heads over the same values: each value vector is loaded once for both (the
+// loads, not the FMAs, bounded mix on a Zen 4). Each head's sums are mix_block's, bitwise.
+template <int C>
+inline void mix_block2(const float* score_a, const float* score_b, const int64_t* seen, int64_t t0, int64_t t1,
+                       const float* v, int64_t d, int64_t j0, float* acc_a, float* acc_b) {
+  Vec a[C], b[C];
+  for (int c = 0; c < C; ++c) a[c] = vload(acc_a + LANES * c), b[c] = vload(acc_b + LANES * c);
+  for (int64_t t = t0; t < t1; ++t) {
+    const Vec wa = vset1(score_a[t]), wb = vset1(score_b[t]);
+    const float* r = v + seen[t] * d + j0;
+    for (int c = 0; c < C; ++c) {
+      const Vec x = vload(r + LANES * c);
+      a[c] = vfma(wa, x, a[c]);
+      b[c] = vfma(wb, x, b[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) vstore(acc_a + LANES * c, a[c]), vstore(acc_b + LANES * c, b[c]);
+}
+
+// mix for two heads at once (mix_block2), in mix's chunks: bitwise mix on each.
+inline void mix2(const float* score_a, const float* score_b, const int64_t* seen, int64_t t0, int64_t t1,
+                 const float* v, int64_t d, float* o_a, float* o_b) {
+  int64_t j = 0;
+  for (; j + 8 * LANES <= d; j += 8 * LANES) {  // mix's eight-vector chunk, as two halves of four
+    mix_block2<4>(score_a, score_b, seen, t0, t1, v, d, j, o_a + j, o_b + j);
+    mix_block2<4>(score_a, score_b, seen, t0, t1, v, d, j + 4 * LANES, o_a + j + 4 * LANES, o_b + j + 4 * LANES);
+  }
+  for (; j + 4 * LANES <= d; j += 4 * LANES) mix_block2<4>(score_a, score_b, seen, t0, t1, v, d, j, o_a + j, o_b + j);
+  for (; j < d; j += LANES) mix_block2<1>(score_a, score_b, seen, t0, t1, v, d, j, o_a + j, o_b + j);
+}
+
 // score[t0..t1) <- dot(q, k[seen[t]]) * scale; returns max(top, their max)
 inline float scores(const float* q, const float* k, const int64_t* seen, int64_t t0, int64_t t1, int64_t d,
                     float scale, float top, float* score) {
@@ -180,6 +214,34 @@ inline float scores(const float* q, const float* k, const int64_t* seen, int64_t
     top = std::max(top, score[t]);
   }
   return top;
+}
+
+// scores for two heads over the same keys: each key vector is loaded once for both, four keys
+// at a time as in dot4. Each head's scores and top are scores' own, bitwise.
+inline void scores2(const float* qa, const float* qb, const float* k, const int64_t* seen, int64_t t0, int64_t t1,
+                    int64_t d, float scale, float* top, float* score_a, float* score_b) {
+  int64_t t = t0;
+  for (; t + 4 <= t1; t += 4) {
+    const float* rows[4] = {k + seen[t] * d, k + seen[t + 1] * d, k + seen[t + 2] * d, k + seen[t + 3] * d};
+    Vec a[4], b[4];
+    for (int r = 0; r < 4; ++r) a[r] = b[r] = vzero();
+    for (int64_t j = 0; j < d; j += LANES) {
+      const Vec xa = vload(qa + j), xb = vload(qb + j);
+      for (int r = 0; r < 4; ++r) {
+        const Vec kr = vload(rows[r] + j);
+        a[r] = vfma(xa, kr, a[r]);
+        b[r] = vfma(xb, kr, b[r]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      score_a[t + r] = vsum(a[r]) * scale, top[0] = std::max(top[0], score_a[t + r]);
+      score_b[t + r] = vsum(b[r]) * scale, top[1] = std::max(top[1], score_b[t + r]);
+    }
+  }
+  if (t < t1) {
+    top[0] = scores(qa, k, seen, t, t1, d, scale, top[0], score_a);
+    top[1] = scores(qb, k, seen, t, t1, d, scale, top[1], score_b);
+  }
 }
 
 // rotate-half RoPE of one head vector: y = x * cos + [-x2, x1] * sin
@@ -298,15 +360,25 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
       for (int64_t p = 0; p < end; ++p)
         if (masked ? allowed[i * end + p] : p <= start + i) seen[m++] = p;
       std::fill(top.begin(), top.end(), -INFINITY);
-      for (int64_t t0 = 0; t0 < m; t0 += TILE)
-        for (int64_t h = 0; h < hn; ++h)
-          top[h] = scores(qr + (i * hq + h0 + h) * d, kg, seen.data(), t0, std::min(m, t0 + TILE), d, scale, top[h],
-                          score.data() + h * (end + 16));
+      for (int64_t t0 = 0; t0 < m; t0 += TILE) {
+        const int64_t t1 = std::min(m, t0 + TILE), stride = end + 16;
+        const float* qh = qr + (i * hq + h0) * d;
+        int64_t h = 0;
+        for (; h + 2 <= hn; h += 2)
+          scores2(qh + h * d, qh + (h + 1) * d, kg, seen.data(), t0, t1, d, scale, top.data() + h,
+                  score.data() + h * stride, score.data() + (h + 1) * stride);
+        for (; h < hn; ++h) top[h] = scores(qh + h * d, kg, seen.data(), t0, t1, d, scale, top[h], score.data() + h * stride);
+      }
       for (int64_t h = 0; h < hn; ++h) inv[h] = 1.0f / exp_sum(score.data() + h * (end + 16), m, top[h]);
       std::fill(o, o + hn * d, 0.0f);
-      for (int64_t t0 = 0; t0 < m; t0 += TILE)
-        for (int64_t h = 0; h < hn; ++h)
-          mix(score.data() + h * (end + 16), seen.data(), t0, std::min(m, t0 + TILE), vg, d, o + h * d);
+      for (int64_t t0 = 0; t0 < m; t0 += TILE) {
+        const int64_t t1 = std::min(m, t0 + TILE), stride = end + 16;
+        int64_t h = 0;
+        for (; h + 2 <= hn; h += 2)
+          mix2(score.data() + h * stride, score.data() + (h + 1) * stride, seen.data(), t0, t1, vg, d, o + h * d,
+               o + (h + 1) * d);
+        for (; h < hn; ++h) mix(score.data() + h * stride, seen.data(), t0, t1, vg, d, o + h * d);
+      }
       for (int64_t h = 0; h < hn; ++h)
         for (int64_t j = 0; j < d; ++j) o[h * d + j] *= inv[h];
     }
