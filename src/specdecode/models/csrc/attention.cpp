@@ -188,14 +188,11 @@ inline void mix_block2(const float* score_a, const float* score_b, const int64_t
   for (int c = 0; c < C; ++c) vstore(acc_a + LANES * c, a[c]), vstore(acc_b + LANES * c, b[c]);
 }
 
-// mix for two heads at once (mix_block2), in mix's chunks: bitwise mix on each.
+// mix for two heads at once (mix_block2), four vectors of each output at a time: bitwise mix on
+// each (every element still sums over t in order from o's value).
 inline void mix2(const float* score_a, const float* score_b, const int64_t* seen, int64_t t0, int64_t t1,
                  const float* v, int64_t d, float* o_a, float* o_b) {
   int64_t j = 0;
-  for (; j + 8 * LANES <= d; j += 8 * LANES) {  // mix's eight-vector chunk, as two halves of four
-    mix_block2<4>(score_a, score_b, seen, t0, t1, v, d, j, o_a + j, o_b + j);
-    mix_block2<4>(score_a, score_b, seen, t0, t1, v, d, j + 4 * LANES, o_a + j + 4 * LANES, o_b + j + 4 * LANES);
-  }
   for (; j + 4 * LANES <= d; j += 4 * LANES) mix_block2<4>(score_a, score_b, seen, t0, t1, v, d, j, o_a + j, o_b + j);
   for (; j < d; j += LANES) mix_block2<1>(score_a, score_b, seen, t0, t1, v, d, j, o_a + j, o_b + j);
 }
@@ -346,8 +343,9 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
   // so a tile is read from memory once and from cache by the other heads.
   const int64_t split = (n * hkv >= 2 * at::get_num_threads() || group == 1) ? 1 : 2;
   const int64_t per = (group + split - 1) / split;
+  const int64_t stride = end + 16;  // between two heads' scores
   at::parallel_for(0, n * hkv * split, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> score(per * (end + 16));
+    std::vector<float> score(per * stride);
     std::vector<int64_t> seen(end);
     std::vector<float> top(per), inv(per);
     for (int64_t u = lo; u < hi; ++u) {
@@ -360,19 +358,19 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
       for (int64_t p = 0; p < end; ++p)
         if (masked ? allowed[i * end + p] : p <= start + i) seen[m++] = p;
       std::fill(top.begin(), top.end(), -INFINITY);
+      const float* qh = qr + (i * hq + h0) * d;
       for (int64_t t0 = 0; t0 < m; t0 += TILE) {
-        const int64_t t1 = std::min(m, t0 + TILE), stride = end + 16;
-        const float* qh = qr + (i * hq + h0) * d;
+        const int64_t t1 = std::min(m, t0 + TILE);
         int64_t h = 0;
         for (; h + 2 <= hn; h += 2)
           scores2(qh + h * d, qh + (h + 1) * d, kg, seen.data(), t0, t1, d, scale, top.data() + h,
                   score.data() + h * stride, score.data() + (h + 1) * stride);
         for (; h < hn; ++h) top[h] = scores(qh + h * d, kg, seen.data(), t0, t1, d, scale, top[h], score.data() + h * stride);
       }
-      for (int64_t h = 0; h < hn; ++h) inv[h] = 1.0f / exp_sum(score.data() + h * (end + 16), m, top[h]);
+      for (int64_t h = 0; h < hn; ++h) inv[h] = 1.0f / exp_sum(score.data() + h * stride, m, top[h]);
       std::fill(o, o + hn * d, 0.0f);
       for (int64_t t0 = 0; t0 < m; t0 += TILE) {
-        const int64_t t1 = std::min(m, t0 + TILE), stride = end + 16;
+        const int64_t t1 = std::min(m, t0 + TILE);
         int64_t h = 0;
         for (; h + 2 <= hn; h += 2)
           mix2(score.data() + h * stride, score.data() + (h + 1) * stride, seen.data(), t0, t1, vg, d, o + h * d,
