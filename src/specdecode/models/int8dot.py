@@ -22,13 +22,13 @@ import hashlib
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from specdecode.models.kernels import cpu_info
 
-SOURCES = (Path(__file__).parent / "csrc" / "int8dot.cpp", Path(__file__).parent / "csrc" / "attention.cpp")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int8dot.cpp", "attention.cpp", "layers.cpp"))
 # instruction set -> (the CPU flags it needs, the compiler flags), best first
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # -mavx512f implies AVX2 but not FMA or F16C, which the shared 8-lane code uses
@@ -43,7 +43,7 @@ GROUP = 32  # activations share one int8 scale per 32 inputs
 TILE = 16  # output columns per packed u8 tile
 U4_TILE = 32  # per packed u4 tile (two 16-column halves)
 BLOCKS = (4, 8)  # rows that may share one pass over a tile (the accumulators live in registers): measured
-_CAUSAL = torch.empty(0, dtype=torch.bool)  # "no mask" to attend_rows: one tensor, not one per layer and token
+CAUSAL = torch.empty(0, dtype=torch.bool)  # "no mask" to attend_rows: one tensor, not one per layer and token
 
 
 def missing_flags(name: str) -> list[str]:
@@ -229,7 +229,18 @@ def attend_rows(
     rows' positions), ``keys``/``values`` float32 [kv_heads, capacity, d] (one layer's cache; the
     rows' rotated keys and values are written at ``start``..``start + n``), ``mask`` bool
     [n, start + n] or None (causal). Returns float32 [n, heads * d]."""
-    return _ext().attend_rows(qkv, cos, sin, keys, values, start, _CAUSAL if mask is None else mask, heads, kv_heads)
+    return _ext().attend_rows(qkv, cos, sin, keys, values, start, CAUSAL if mask is None else mask, heads, kv_heads)
+
+
+def layer_stack(layers: list[dict[str, Any]], heads: int, kv_heads: int, eps: float) -> Any:
+    """A ``LayerStack`` (csrc/layers.cpp) over ``layers``: per layer ``ln1``, ``ln2`` (float32
+    [hidden]) and the matrices ``qkv``, ``o``, ``gu``, ``down``, each a dict of ``kind`` ("w4a8"
+    or "w8a8g"), ``packed``, ``scale`` (w8a8g, float32 [out]), ``bias`` (float32 [out] or None),
+    ``out``, ``in``. Its ``forward(x, cos, sin, keys, values, starts, los, his, masks, block)``
+    runs every layer as ``native._decoder``'s loop does with these kernels: RMSNorm, fused QKV,
+    :func:`attend_rows` per sequence, output projection, RMSNorm, gate/up, :func:`silu_mul`,
+    down projection, both residual adds."""
+    return _ext().LayerStack(layers, heads, kv_heads, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -459,6 +459,18 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
 
 }  // namespace
 
+// for csrc/layers.cpp
+torch::Tensor int8dot_u4_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t k, int64_t block) {
+  return u4_mm(x, packed, n, k, block);
+}
+torch::Tensor int8dot_u8_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale, int64_t n,
+                            int64_t k, int64_t block) {
+  return u8_mm(x, packed, scale, n, k, block);
+}
+
+// csrc/layers.cpp
+void register_layer_stack(py::module& m);
+
 // csrc/attention.cpp
 torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                           torch::Tensor keys, torch::Tensor values, int64_t start, const torch::Tensor& mask,
@@ -475,4 +487,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_rows", &rms_norm_rows, "x / sqrt(mean(x^2) + eps) * weight, row by row");
   m.def("silu_mul", &silu_mul, "gate_up [n, 2 i] -> silu(gate) * up [n, i]");
   m.def("quantize_activations", &quantize_activations, "x fp32 [m, k] -> (xq int8, dx fp32, xs int32)");
+  register_layer_stack(m);
 }
