@@ -149,7 +149,8 @@ def test_built_in_options_match_the_proposers():
         "lookahead": keywords(LookaheadProposer),
         "draft": draft_model | {"dtype"},
         "xtok": keywords(CrossTokenizerProposer) | {"dtype"},
-        "early-exit": keywords(EarlyExitProposer) | draft_model,  # the rest of its options go to DraftModelProposer
+        # the rest of its options go to DraftModelProposer, but for a window: it reads the target's cache
+        "early-exit": keywords(EarlyExitProposer) | draft_model - {"prompt_window"},
         "eagle": keywords(EagleProposer, skip={"head"}),
         "medusa": keywords(MedusaProposer, skip={"heads"}),
         "none": set(),

@@ -181,7 +181,8 @@ class _Names(Sequence):
 _B = "specdecode.builders:"
 _DRAFT_MODEL = {"max_length", "confidence_threshold", "branch", "static_tree"}  # DraftModelProposer's
 _HEAD = {"path", "branch", "confidence_threshold"}  # EAGLE / Medusa: path = a trained folder
-_TRAINED_OPTIONS = _DRAFT_MODEL | {"dtype"} | _HEAD  # what the hybrid passes on to its drafter
+_OWN_READ = {"prompt_window"}  # a draft with its own cache (not early-exit's, which shares the target's)
+_TRAINED_OPTIONS = _DRAFT_MODEL | _OWN_READ | {"dtype"} | _HEAD  # what the hybrid passes on to its drafter
 
 for _spec in (
     MethodSpec(
@@ -195,7 +196,7 @@ for _spec in (
     MethodSpec(
         "draft",
         _B + "build_draft",
-        _DRAFT_MODEL | {"dtype"},
+        _DRAFT_MODEL | _OWN_READ | {"dtype"},
         trained=True,
         confidence=True,
         uses_draft=True,

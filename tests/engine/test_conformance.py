@@ -58,6 +58,17 @@ def test_tiny_transformer_draft_is_exact():
     assert conformance_pvalue(target, DraftModelProposer(draft), sampling, k=2, n_new=3) > ALPHA
 
 
+def test_tiny_transformer_draft_reading_a_window_of_the_prompt_is_exact():
+    """``prompt_window=1`` skips two of the prompt's seven tokens: the draft's q changes, and
+    what it reports is still what it drew from (a misreported q is what the broken drafts below
+    stand for)."""
+    target, draft = tiny_llama(vocab=5, seed=0), tiny_llama(vocab=5, seed=1)
+    sampling = SamplingConfig(temperature=1.0, top_k=4)
+    proposer = DraftModelProposer(draft, prompt_window=1)
+    assert proposer.start(PROMPT).dropped == 2
+    assert conformance_pvalue(target, proposer, sampling, k=2, n_new=3) > ALPHA
+
+
 def test_tiny_transformer_ngram_is_exact():
     target = tiny_llama(vocab=5, seed=2)
     sampling = SamplingConfig(temperature=0.7, top_p=0.9)

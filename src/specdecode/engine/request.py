@@ -243,7 +243,9 @@ class Request:
         if self.proposer is None or not self.proposer.caps.catches_up:
             return 0
         n = len(self.context) - self.read_upto
-        return n if n > ROUND_FEED else 0  # a drafting round's own leftovers go with the round
+        if n <= ROUND_FEED:  # a drafting round's own leftovers go with the round
+            return 0
+        return self.proposer.reads(self.read_upto, len(self.context))  # less a windowed draft's cut
 
     def catch_up(self) -> tuple[int, float]:
         """Before a round that drafts (or shadow-drafts): the proposer reads the context it has

@@ -71,6 +71,12 @@ class Proposer(Protocol):
         price of drafting alone. A request that never drafts never pays for it."""
         ...
 
+    def reads(self, start: int, end: int) -> int:
+        """How many of the committed context's tokens ``[start, end)`` ``catch_up`` reads: all of
+        them, but for a draft that reads a window of the prompt. The engine prices a read to come
+        by it. Called only where ``caps.catches_up``."""
+        ...
+
     def finish(self, context: list[int]) -> None:
         """The request ended with ``context`` committed (a corpus may learn from it)."""
         ...
@@ -108,6 +114,9 @@ class PerRequest:
 
     def catch_up(self, context: list[int]) -> None:
         pass
+
+    def reads(self, start: int, end: int) -> int:
+        return end - start
 
     def stats(self) -> dict:
         return {}

@@ -19,6 +19,8 @@ from specdecode.errors import ConfigError
 from specdecode.models.base import CausalLM
 from specdecode.proposers.base import ROUND_FEED, PerRequest, ProposerCaps
 
+SINK = 4  # first prompt tokens a windowed draft keeps: attention sinks (StreamingLLM, arXiv 2309.17453)
+
 
 class DraftModelProposer(PerRequest):
     """Samples k tokens autoregressively from the draft with the target's sampling settings.
@@ -30,6 +32,12 @@ class DraftModelProposer(PerRequest):
     A model with an output-vocabulary map ``vocab_ids`` (logit column j scores token
     ``vocab_ids[j]``, e.g. a distilled draft over the most frequent tokens) drafts within it; the
     reported q is zero outside it, which is exactly the distribution the tokens were drawn from.
+
+    ``prompt_window`` > 0 lets the draft read only the prompt's first :data:`SINK` tokens and its
+    last ``prompt_window`` (then everything generated): a long prompt's read, which a draft pays
+    before its first round, shrinks to a constant (TriForce / MagicDec draft from a partial cache;
+    StreamingLLM's attention sinks). Exactness is unaffected: the draft reports the q it drew
+    from, whatever it read; only acceptance may change.
     """
 
     name = "draft"
@@ -42,10 +50,14 @@ class DraftModelProposer(PerRequest):
         confidence_threshold: float = 0.0,
         branch: int = 3,
         static_tree: list[tuple[int, ...]] | None = None,
+        prompt_window: int = 0,
     ) -> None:
         check_threshold(confidence_threshold)
         if branch < 1:
             raise ConfigError(f"branch must be >= 1, got {branch}")
+        if not isinstance(prompt_window, int) or prompt_window < 0:
+            raise ConfigError(f"prompt_window must be an int >= 0 (0 reads the whole prompt), got {prompt_window!r}")
+        self.prompt_window = prompt_window
         self.model = model
         self.vocab_ids: torch.Tensor | None = getattr(model, "vocab_ids", None)
         self.branch = max([branch] + [r + 1 for path in static_tree or () for r in path])
@@ -53,16 +65,34 @@ class DraftModelProposer(PerRequest):
         self.confidence_threshold = confidence_threshold
         self.max_length = max_length or model.max_length
         self.cache = None
-        self.cached: list[int] = []  # tokens whose keys/values sit in the draft cache
-        self.agreed = 0  # cached[:agreed] is known to equal the committed context
+        self.cached: list[int] = []  # tokens whose keys/values sit in the draft cache (of the view)
+        self.agreed = 0  # cached[:agreed] is known to equal the view of the committed context
+        self.skipped: tuple[int, int] = (0, 0)  # the slice of the context the draft never reads
 
     def reset(self, prompt_ids: list[int]) -> None:
         # Caches grow on demand; start with room for the prompt and a typical answer. The prompt
         # is read by ``catch_up`` before the first round that drafts: never, where a batch
         # planner keeps this request at k = 0.
-        self.cache = self.model.new_cache(min(self.max_length, len(prompt_ids) + 512))
+        cut = len(prompt_ids) - SINK - self.prompt_window
+        self.skipped = (SINK, SINK + cut) if self.prompt_window and cut > 0 else (0, 0)
+        self.cache = self.model.new_cache(min(self.max_length, len(prompt_ids) - self.dropped + 512))
         self.cached = []
         self.agreed = 0
+
+    @property
+    def dropped(self) -> int:
+        """How many prompt tokens this request's draft skips (its window's cut)."""
+        return self.skipped[1] - self.skipped[0]
+
+    def reads(self, start: int, end: int) -> int:
+        lo, hi = self.skipped
+        return end - start - max(0, min(end, hi) - max(start, lo))
+
+    def _view(self, context: list[int]) -> list[int]:
+        """What the draft reads of ``context``: all of it, or its sink and window and what follows.
+        The view of a context that grew by appending is the old view with the same appended."""
+        lo, hi = self.skipped
+        return context if hi == 0 else context[:lo] + context[hi:]
 
     def _kept(self, context: list[int]) -> int:
         """How much of the cache agrees with ``context`` (always refeeding its last token)."""
@@ -87,6 +117,7 @@ class DraftModelProposer(PerRequest):
         bonus token): the prompt, or what was committed while this request did not draft.
         Left to the round, that read was priced as drafting (the Qwen 0.5B's prompt: 80 ms a
         drafted token against 24) and a cost-aware k policy switched speculation off for good."""
+        context = self._view(context)
         if len(context) - self._kept(context) <= ROUND_FEED:
             return
         fresh = torch.tensor(self._fresh(context[:-1]), dtype=torch.long)
@@ -104,7 +135,7 @@ class DraftModelProposer(PerRequest):
         if k == 0:
             return Draft.empty()
         chain = _Chain(self, k, sampling, generator)
-        logits = self._sync(context)
+        logits = self._sync(self._view(context))
         while chain.pick(logits):
             logits = self.model.forward(chain.tokens[-1].view(1, 1), self.cache)[:, -1]
         return chain.draft()
@@ -123,7 +154,7 @@ class DraftModelProposer(PerRequest):
         if not self.model.caps.rows:
             return [s.propose(c, k, sp, g) for s, c, k, sp, g in zip(states, contexts, ks, samplings, generators)]
         chains = [_Chain(s, k, sp, g) for s, k, sp, g in zip(states, ks, samplings, generators)]
-        fresh = [s._fresh(c) for s, c in zip(states, contexts)]
+        fresh = [s._fresh(s._view(c)) for s, c in zip(states, contexts)]
         out = self.model.forward_rows([torch.tensor(f) for f in fresh], [s.cache for s in states], last_only=True)
         live = list(range(len(states)))
         logits = {i: out[i][:, -1] for i in live}
@@ -140,7 +171,7 @@ class DraftModelProposer(PerRequest):
         """Candidate paths (best first) for tree verification; see the tree drafting notes below."""
         if not self.model.caps.trees:
             raise ConfigError("tree drafting from a draft model needs a backend with attention masks (native)")
-        logits = self._sync(context)[0]
+        logits = self._sync(self._view(context))[0]
         base = self.cache.length
         nodes: list[_Node] = []
         frontier = [(_Node((), (), 1.0), logits)]

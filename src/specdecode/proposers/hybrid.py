@@ -64,6 +64,9 @@ class HybridProposer(PerRequest):
     def catch_up(self, context: list[int]) -> None:
         self.drafter.catch_up(context)
 
+    def reads(self, start: int, end: int) -> int:
+        return self.drafter.reads(start, end)
+
     def observe_forward(self, ids, positions, mask, hidden) -> None:
         self.drafter.observe_forward(ids, positions, mask, hidden)
 
