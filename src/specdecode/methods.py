@@ -124,6 +124,22 @@ def unregister_method(name: str) -> MethodSpec:
     return _SPECS.pop(method_spec(name).name)
 
 
+def parse_option(text: str, where: str) -> tuple[str, Any]:
+    """A proposer option written ``name=value`` (the benches' ``METHOD:name=value``): the value
+    as a bool, int or float where it reads as one, else a string; ConfigError naming ``where``."""
+    key, eq, value = (part.strip() for part in text.partition("="))
+    if not eq or not key or not value:
+        raise ConfigError(f"{where}: expected a proposer option as name=value, got {text!r}")
+    if value in ("true", "false"):
+        return key, value == "true"
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
+
+
 def method_names() -> tuple[str, ...]:
     """Every registered method's name, built-ins first, in registration order."""
     return tuple(_SPECS)

@@ -226,6 +226,9 @@ def test_advise_without_results_is_a_clear_error(tmp_path):
         ('{"prompt": "a", "category": "x"}\n', ["--methods", "none+conf"], "unknown method 'none+conf'"),
         ('{"prompt": "a", "category": "x"}\n', ["--k", "2,zero"], "--k: expected integers"),
         ('{"prompt": "a", "category": "x"}\n', ["--draft-vocab", "8"], "--draft-vocab needs --draft"),
+        ('{"prompt": "a", "category": "x"}\n', ["--methods", "ngram:max_ngrm=2"], "did you mean 'max_ngram'"),
+        ('{"prompt": "a", "category": "x"}\n', ["--methods", "ngram:max_ngram"], "expected a proposer option as"),
+        ('{"prompt": "a", "category": "x"}\n', ["--methods", "none:k=2"], "unknown method 'none:k=2'"),
     ],
 )
 def test_bad_input_is_a_one_line_error(tmp_path, rows, extra, message):
@@ -320,6 +323,28 @@ def test_conf_methods_parse_and_enter_the_fingerprint():
     assert [base_method(m) for m in opts.methods] == ["none", "eagle", "eagle", "medusa"] and opts.confidence == 0.3
     other = parse_options(["--out", "x", "--methods", "none,eagle,eagle+conf,medusa+conf", "--confidence", "0.4"])
     assert fingerprint(opts, "t", None) != fingerprint(other, "t", None)
+
+
+def test_methods_take_proposer_options_per_cell(models, tmp_path):
+    """``METHOD:name=value`` builds that cell's proposer with the option, beside the same method
+    with its defaults, under its own cell key (what a resumed run matches records by)."""
+    from specdecode.bench.runner import parse_method
+
+    m = parse_method("draft+conf:prompt_window=2:branch=2")
+    assert (m.base, m.conf, m.tree, m.options) == ("draft", True, False, (("prompt_window", 2), ("branch", 2)))
+    workload = write_jsonl(tmp_path / "w.jsonl", WORKLOAD[1:])
+    argv = ["bench", "--workload", str(workload), "--out", str(tmp_path / "out"), "--target", str(models / "target")]
+    argv += ["--draft", str(models / "draft"), "--methods", "none,draft,draft:prompt_window=1", "--k", "2"]
+    rc, stdout, stderr = run_cli([*argv, "--temperatures", "0", "--max-new-tokens", "6", "--no-hf"])
+    assert rc == 0, stderr
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    cells = {c["key"]: c for c in results["cells"]}
+    assert {"draft|k=2|T=0", "draft:prompt_window=1|k=2|T=0"} <= set(cells)
+    by_prompt: dict[str, dict[str, list[int]]] = {}
+    for r in map(json.loads, (tmp_path / "out" / "cells.jsonl").read_text().splitlines()):
+        if "token_ids" in r:
+            by_prompt.setdefault(r["prompt_id"], {})[r["cell"]] = r["token_ids"]
+    assert by_prompt and all(len(c) == 3 and len({tuple(t) for t in c.values()}) == 1 for c in by_prompt.values())
 
 
 def test_humaneval_is_a_named_workload():

@@ -58,6 +58,12 @@ def test_best_chain_cell_and_its_settings_are_recorded():
     assert blocks["medusa"]["settings"] == {"k": 4} and "tree" not in blocks["medusa"]
 
 
+def test_a_cell_with_proposer_options_never_becomes_a_cards_setting():
+    run = results()
+    run["aggregates"] += [row("medusa:branch=2", 4, "overall", 1.9, 2.0), row("medusa:branch=2", 4, "qa", 1.9, 2.0)]
+    assert benchmark_blocks(run)["medusa"]["speedup"] == 0.95  # the card's settings could not rebuild it
+
+
 def test_record_updates_only_existing_cards(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "results.json").write_text(json.dumps(results()))

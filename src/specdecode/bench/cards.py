@@ -19,7 +19,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.runner import CONF_SUFFIX, TREE_SUFFIX, base_method
+from specdecode.bench.runner import CONF_SUFFIX, OPTION_SEP, TREE_SUFFIX, base_method
 from specdecode.errors import InputError
 from specdecode.methods import COMPOSED, MEASURED, TRAINED, method_spec
 from specdecode.models.catalog import CATALOG
@@ -40,7 +40,11 @@ def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     blocks = {}
     for method in MEASURED:
         chains = [
-            a for a in overall.values() if base_method(a["method"]) == method and not a["method"].endswith(TREE_SUFFIX)
+            a
+            for a in overall.values()
+            if base_method(a["method"]) == method  # chains with default options: what a card's settings say
+            and not a["method"].endswith(TREE_SUFFIX)
+            and OPTION_SEP not in a["method"]
         ]
         drafted = _ran_a_draft_model(method, config)
         if not chains or (drafted and config.get("draft_name") not in CATALOG):

@@ -29,10 +29,11 @@ from specdecode.bench.report import cell_label, ours_speculative, reference_stat
 from specdecode.bench.workload import HUMANEVAL, WorkItem, default_workload_path, groups_in_order, load_workload, select
 from specdecode.core.dtypes import DRAFT_DTYPE_HELP, DTYPE_CHOICES, DTYPE_HELP, draft_default
 from specdecode.errors import ConfigError, InputError
-from specdecode.methods import CONFIDENCE_METHODS, METHODS, method_spec
+from specdecode.methods import CONFIDENCE_METHODS, METHODS, method_spec, parse_option
 
 TREE_SUFFIX = "+tree"  # e.g. "ngram+tree": the same method verifying candidate trees
 CONF_SUFFIX = "+conf"  # e.g. "eagle+conf": chains stop before a token the drafter gives < --confidence
+OPTION_SEP = ":"  # e.g. "draft:prompt_window=256": that cell's proposer built with this option
 COST_CONTEXT = 200  # cache length for the forward-cost curve
 AUTO_K_MAX = 8  # k_max the engine's auto policy uses by default
 LLAMA_CELLS = ("llama.cpp", "llama.cpp-draft")  # its plain decoding, its own draft-model speculation
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default=None,
-        help=f"comma list of {', '.join(METHODS)} (default {DEFAULTS['methods']}, plus draft with --draft)",
+        help=f"comma list of {', '.join(METHODS)}, each optionally +tree (or +conf) and :name=value proposer "
+        f"options, e.g. draft:prompt_window=256 (default {DEFAULTS['methods']}, plus draft with --draft)",
     )
     p.add_argument("--k", default=None, help=f"comma list of draft lengths and/or auto (default {DEFAULTS['k']})")
     p.add_argument(
@@ -217,23 +219,44 @@ def _split(text: str, what: str) -> list[str]:
     return list(dict.fromkeys(parts))
 
 
+@dataclass(frozen=True)
+class BenchMethod:
+    """A bench method name read: ``METHOD[+tree|+conf][:name=value ...]``."""
+
+    base: str
+    tree: bool
+    conf: bool
+    options: tuple[tuple[str, Any], ...]
+
+
+def parse_method(name: str) -> BenchMethod:
+    """'ngram+tree' -> ngram over trees; 'eagle+conf' -> eagle chains that stop on confidence;
+    'draft:prompt_window=256' -> draft with that proposer option (see :func:`parse_option`)."""
+    head, *written = name.split(OPTION_SEP)
+    options = tuple(parse_option(text, f"--methods: {name!r}") for text in written)
+    base = head.removesuffix(TREE_SUFFIX).removesuffix(CONF_SUFFIX)
+    return BenchMethod(base, head.endswith(TREE_SUFFIX), head.endswith(CONF_SUFFIX), options)
+
+
 def base_method(name: str) -> str:
-    """The method of a bench method name: 'eagle+tree' -> 'eagle', 'medusa+conf' -> 'medusa'."""
-    return name.removesuffix(TREE_SUFFIX).removesuffix(CONF_SUFFIX)
+    """The method of a bench method name: 'eagle+tree' -> 'eagle', 'draft:prompt_window=64' -> 'draft'."""
+    return parse_method(name).base
 
 
 def _methods(text: str) -> list[str]:
-    """Registered method names (:mod:`specdecode.methods`), each optionally with ``+tree`` or ``+conf``."""
+    """Registered method names (:mod:`specdecode.methods`), each optionally with ``+tree`` or
+    ``+conf`` and proposer options ``:name=value``."""
     methods = _split(text.lower(), "--methods")
     for m in methods:
-        base = base_method(m)
-        if base not in METHODS or (base == "none" and m != "none"):
+        p = parse_method(m)
+        if p.base not in METHODS or (p.base == "none" and m != "none"):
             raise ConfigError(
                 f"unknown method {m!r}; choose from {', '.join(METHODS)} (+tree, or +conf for "
-                f"{', '.join(CONFIDENCE_METHODS)})"
+                f"{', '.join(CONFIDENCE_METHODS)}; then any :name=value proposer options)"
             )
-        if m.endswith(CONF_SUFFIX) and not method_spec(base).confidence:
+        if p.conf and not method_spec(p.base).confidence:
             raise ConfigError(f"{m!r}: only {', '.join(CONFIDENCE_METHODS)} chains stop on confidence")
+        method_spec(p.base).check_options([key for key, _ in p.options])
     return methods
 
 
@@ -406,7 +429,7 @@ def fingerprint(
         spec["hybrid_drafter"] = hybrid_drafter
     if opts.draft_vocab is not None:
         spec["draft_vocab"] = opts.draft_vocab
-    if any(m.endswith(CONF_SUFFIX) for m in opts.methods):
+    if any(parse_method(m).conf for m in opts.methods):
         spec["confidence"] = opts.confidence
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -503,15 +526,15 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
         sig = (cell.method, cell.k)
         if sig not in gens:
             try:
-                base = base_method(cell.method)
-                conf = cell.method.endswith(CONF_SUFFIX)
+                m = parse_method(cell.method)
                 gens[sig] = SpeculativeGenerator(
                     target,
-                    method=base,
-                    k=cell.k if base != "none" else 1,
+                    method=m.base,
+                    k=cell.k if m.base != "none" else 1,
                     draft=draft,
-                    tree=cell.method.endswith(TREE_SUFFIX) or None,
-                    **({"policy": "confidence", "confidence": opts.confidence} if conf else {}),
+                    tree=m.tree or None,
+                    **({"policy": "confidence", "confidence": opts.confidence} if m.conf else {}),
+                    **dict(m.options),
                 )
             except (ConfigError, TypeError, ValueError) as exc:
                 gens[sig] = exc

@@ -49,7 +49,7 @@ from specdecode.bench.workload import WorkItem, default_workload_path, load_work
 from specdecode.core.dtypes import DTYPE_CHOICES, DTYPE_HELP
 from specdecode.engine.policy import BatchTableK
 from specdecode.errors import ConfigError, InputError
-from specdecode.methods import METHODS, method_spec
+from specdecode.methods import METHODS, method_spec, parse_option
 
 SPEC_METHODS = tuple(m for m in METHODS if m not in ("auto", "none", "xtok"))  # xtok needs a second tokenizer
 ARM_KINDS = ("auto", "table")
@@ -264,26 +264,10 @@ def parse_arm(name: str) -> ArmSpec:
         return spec
     if spec.base == "none":
         raise ConfigError(f"--methods: {name!r}: plain decoding takes no proposer options")
-    options = tuple(_arm_option(text, name) for text in written)
+    options = tuple(parse_option(text, f"--methods: {name!r}") for text in written)
     if spec.base != "best":
         method_spec(spec.base).check_options([key for key, _ in options])
     return ArmSpec(name, spec.base, spec.kind, spec.k, options)
-
-
-def _arm_option(text: str, name: str) -> tuple[str, Any]:
-    """``key=value``: the value as a bool, int or float where it reads as one, else a string."""
-    key, eq, value = text.partition("=")
-    if not eq or not key.strip() or not value.strip():
-        raise ConfigError(f"--methods: {name!r}: expected a proposer option as name=value, got {text!r}")
-    value = value.strip()
-    if value in ("true", "false"):
-        return key.strip(), value == "true"
-    for kind in (int, float):
-        try:
-            return key.strip(), kind(value)
-        except ValueError:
-            pass
-    return key.strip(), value
 
 
 def _parse_arm_head(name: str, written: str) -> ArmSpec:
