@@ -156,7 +156,7 @@ def test_built_in_options_match_the_proposers():
         "none": set(),
     }
     expected["hybrid"] = (
-        {"min_match", "max_ngram", "drafter"} | expected["eagle"] | expected["medusa"] | expected["draft"]
+        {"min_match", "max_ngram", "lookup", "drafter"} | expected["eagle"] | expected["medusa"] | expected["draft"]
     )
     for name, options in expected.items():
         assert method_spec(name).options == options, name

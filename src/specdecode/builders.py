@@ -107,7 +107,7 @@ def build_hybrid(target: LoadedModel, draft: DraftArg = None, **options: Any) ->
     from specdecode.api import best_drafter, make_proposer
     from specdecode.proposers.hybrid import HybridProposer
 
-    lookup = {key: options.pop(key) for key in ("min_match", "max_ngram") if key in options}
+    lookup = {key: options.pop(key) for key in ("min_match", "max_ngram", "lookup") if key in options}
     inner = options.pop("drafter", None) or ("draft" if isinstance(draft, LoadedModel) else best_drafter(target))
     if inner not in TRAINED:
         raise ConfigError(f"hybrid drafter must be one of {', '.join(TRAINED)}, got {inner!r}")

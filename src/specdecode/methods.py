@@ -270,7 +270,7 @@ for _spec in (
     MethodSpec(
         "hybrid",
         _B + "build_hybrid",
-        {"min_match", "max_ngram", "drafter"} | _TRAINED_OPTIONS,
+        {"min_match", "max_ngram", "lookup", "drafter"} | _TRAINED_OPTIONS,
         composed=True,
         confidence=True,
         uses_draft=True,

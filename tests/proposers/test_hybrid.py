@@ -16,6 +16,7 @@ from specdecode.errors import ConfigError
 from specdecode.proposers.eagle import EagleProposer
 from specdecode.proposers.hybrid import HybridProposer
 from specdecode.proposers.medusa import MedusaProposer
+from specdecode.proposers.suffix import SuffixProposer
 
 N_SAMPLES = 5_000  # chi-square at ALPHA over the 625 4-token continuations; the broken variant gets p ~ 0
 SAMPLING = SamplingConfig(temperature=1.0, top_k=4)
@@ -23,12 +24,12 @@ SAMPLING = SamplingConfig(temperature=1.0, top_k=4)
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is fastest
 
 
-def hybrid(target, kind: str, threshold: float = 0.0, cls=HybridProposer) -> HybridProposer:
+def hybrid(target, kind: str, threshold: float = 0.0, cls=HybridProposer, lookup: str = "ngram") -> HybridProposer:
     if kind == "eagle":
         drafter = EagleProposer(target, head=random_head(target, gain=3.0), confidence_threshold=threshold)
     else:
         drafter = MedusaProposer(target, heads=random_heads(target, draft_vocab=4), confidence_threshold=threshold)
-    return cls(drafter)
+    return cls(drafter, lookup=lookup)
 
 
 class UniformQOnLookups(HybridProposer):
@@ -53,29 +54,36 @@ def rounds_of(proposer) -> dict:
     return total
 
 
-def test_hybrid_sampling_is_exact_with_every_source():
-    target = tiny_native(vocab=5, seed=0)
-    proposer = hybrid(target, "eagle", threshold=0.6)  # unsure often enough for short-match rounds
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+def test_hybrid_sampling_is_exact_with_every_source(lookup):
+    # the drafter is unsure often enough for short rounds (suffix: 1-token drafts, which a corpus
+    # of the 5,000 earlier samples would make rare)
+    proposer = hybrid(
+        tiny_native(vocab=5, seed=0), "eagle", threshold=0.6 if lookup == "ngram" else 0.75, lookup=lookup
+    )
+    if lookup == "suffix":
+        proposer.suffix = SuffixProposer(use_corpus=False)
     rounds = rounds_of(proposer)
-    assert proposer_pvalue(target, proposer, SAMPLING, N_SAMPLES, n_new=4) > ALPHA
+    assert proposer_pvalue(proposer.drafter.target, proposer, SAMPLING, N_SAMPLES, n_new=4) > ALPHA
     assert min(rounds().values()) > 200, rounds()  # lookup, drafter and short matches all drafted
 
 
-def test_a_wrong_q_on_lookup_tokens_is_caught():
+def test_a_wrong_q_on_lookup_tokens_is_caught():  # whichever lookup drafted them: the q is the hybrid's
     target = tiny_native(vocab=5, seed=0)
     proposer = hybrid(target, "eagle", threshold=0.6, cls=UniformQOnLookups)
     assert proposer_pvalue(target, proposer, SAMPLING, N_SAMPLES, n_new=4) < ALPHA
 
 
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_identity(kind, k):
+def test_greedy_identity(kind, k, lookup):
     target = tiny_native(vocab=6, seed=5, layers=3)
     cfg = GenerationConfig(max_new_tokens=30)
     prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2]
     expected = Decoder(target, None).generate(prompt, cfg).token_ids
     for threshold in (0.0, 0.4):
-        proposer = hybrid(target, kind, threshold)
+        proposer = hybrid(target, kind, threshold, lookup=lookup)
         out = Decoder(target, proposer, k=k).generate(prompt, cfg)
         assert out.token_ids == expected
         assert out.stats["hybrid_rounds"]["lookup"] and out.stats["hybrid_rounds"]["drafter"]
@@ -96,6 +104,8 @@ def test_bad_settings_and_trees_are_refused():
     target = tiny_native(vocab=6, seed=5, layers=3)
     with pytest.raises(ConfigError, match="min_match"):
         HybridProposer(hybrid(target, "medusa").drafter, min_match=4, max_ngram=3)
+    with pytest.raises(ConfigError, match="hybrid lookup must be one of ngram, suffix"):
+        HybridProposer(hybrid(target, "medusa").drafter, lookup="suffix-tree")
     with pytest.raises(ConfigError, match="cannot draft trees"):
         Decoder(target, hybrid(target, "medusa"), k=2, tree=TreeConfig(max_nodes=4))
 

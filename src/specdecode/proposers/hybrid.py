@@ -5,9 +5,12 @@ Prompt lookup costs nothing to draft and is accepted often where the answer copi
 (translation, rewriting, code edits), but it has nothing good to offer elsewhere; a trained
 drafter costs a little per token and guesses everywhere. Each round takes the lookup when the
 context's tail (at least ``min_match`` tokens) occurred before, and asks the drafter otherwise;
-when the drafter drafts nothing (its confidence stop), a shorter match is tried last.
+when the drafter drafts nothing (its confidence stop), a shorter match is tried last. The lookup
+is n-gram prompt lookup, or suffix decoding (``lookup="suffix"``), which also continues what this
+proposer's earlier requests wrote.
 
-Exactness: which proposer drafts depends on the committed context alone, and each reports
+Exactness: which proposer drafts depends on the committed context alone (and, for suffix, on
+the outputs of requests that finished before), never on this round's draws; each reports
 exactly its own q (one-hot for lookup), so the one verifier keeps the target's distribution.
 A feature-reading drafter picks up the target's forwards of lookup rounds when it next drafts
 (:mod:`specdecode.proposers.features`), so it never recomputes them.
@@ -22,17 +25,27 @@ from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.proposers.base import PerRequest, Proposer, ProposerCaps
 from specdecode.proposers.ngram import lookup
+from specdecode.proposers.suffix import SuffixProposer
+
+LOOKUPS = ("ngram", "suffix")
 
 
 class HybridProposer(PerRequest):
     name = "hybrid"
 
-    def __init__(self, drafter: Proposer, min_match: int = 2, max_ngram: int = 3) -> None:
+    def __init__(self, drafter: Proposer, min_match: int = 2, max_ngram: int = 3, lookup: str = "ngram") -> None:
         """``min_match``: the shortest context tail whose earlier occurrence makes a lookup round;
-        shorter matches are used only when the drafter drafts nothing (its confidence stop)."""
+        shorter matches are used only when the drafter drafts nothing (its confidence stop).
+        ``lookup``: "ngram" (the latest earlier match of the context's last 3..min_match tokens)
+        or "suffix" (suffix decoding over the context and the outputs of this proposer's earlier
+        requests, :class:`SuffixProposer` with its defaults; a lookup round when it drafts at
+        least ``min_match`` tokens)."""
         if not 1 <= min_match <= max_ngram:
             raise ConfigError(f"need 1 <= min_match <= max_ngram, got {min_match}, {max_ngram}")
+        if lookup not in LOOKUPS:
+            raise ConfigError(f"hybrid lookup must be one of {', '.join(LOOKUPS)}, got {lookup!r}")
         self.drafter, self.min_match, self.max_ngram = drafter, min_match, max_ngram
+        self.suffix = SuffixProposer() if lookup == "suffix" else None  # shared corpus; a state per request
         inner = drafter.caps
         self.caps = ProposerCaps(  # chains only; what the drafter reads, the hybrid passes on
             reads_target_features=inner.reads_target_features,
@@ -43,6 +56,7 @@ class HybridProposer(PerRequest):
         )
         self.rounds = {"lookup": 0, "drafter": 0, "short": 0}  # which source drafted, in this request
         self._source = "drafter"
+        self._weak: list[int] = []
         self._target_cache: object | None = None
 
     def _bind(self, target_cache: object | None) -> None:
@@ -51,12 +65,16 @@ class HybridProposer(PerRequest):
     def reset(self, prompt_ids: list[int]) -> None:
         """This request's drafter state and counts (``start`` calls this on the request's copy)."""
         self.drafter = self.drafter.start(prompt_ids, self._target_cache)
+        self.suffix = None if self.suffix is None else self.suffix.start(prompt_ids)
         self._target_cache = None
         self.rounds = dict.fromkeys(self.rounds, 0)
         self._source = "drafter"
+        self._weak = []
 
     def finish(self, context: list[int]) -> None:
         self.drafter.finish(context)
+        if self.suffix is not None:
+            self.suffix.finish(context)  # the output joins the suffix corpus
 
     def stats(self) -> dict:
         return {"hybrid_rounds": dict(self.rounds), **self.drafter.stats()}
@@ -71,14 +89,26 @@ class HybridProposer(PerRequest):
         self.drafter.observe_forward(ids, positions, mask, hidden)
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        source, found = "lookup", lookup(context, k, self.max_ngram, self.min_match) if k > 0 else []
-        if not found:
-            draft = self.drafter.propose(context, k, sampling, generator)
-            short = [] if draft.tokens.shape[1] or self.min_match == 1 else lookup(context, k, self.min_match - 1)
-            if not short:
-                return self._count("drafter", draft)
-            source, found = "short", short
-        return self._count(source, Draft(tokens=torch.tensor([found], dtype=torch.long)))
+        found = self._lookup(context, k) if k > 0 else []
+        if found:
+            return self._count("lookup", _chain(found))
+        draft = self.drafter.propose(context, k, sampling, generator)
+        short = [] if draft.tokens.shape[1] or k == 0 else self._short(context, k)
+        return self._count("short", _chain(short)) if short else self._count("drafter", draft)
+
+    def _lookup(self, context: list[int], k: int) -> list[int]:
+        """A lookup draft with at least ``min_match`` tokens of evidence behind it, or []."""
+        if self.suffix is None:
+            return lookup(context, k, self.max_ngram, self.min_match)
+        tokens = self.suffix.propose(context, k, SamplingConfig(), None).tokens[0].tolist()
+        self._weak = tokens  # a draft shorter than min_match: what _short offers
+        return tokens if len(tokens) >= min(k, self.min_match) else []
+
+    def _short(self, context: list[int], k: int) -> list[int]:
+        """A weaker lookup, drafted only when the drafter drafts nothing (its confidence stop)."""
+        if self.suffix is not None:
+            return self._weak
+        return lookup(context, k, self.min_match - 1) if self.min_match > 1 else []
 
     def _count(self, source: str, draft: Draft) -> Draft:
         self._source = source
@@ -88,3 +118,7 @@ class HybridProposer(PerRequest):
     def observe(self, num_accepted: int) -> None:
         if self._source == "drafter":
             self.drafter.observe(num_accepted)
+
+
+def _chain(tokens: list[int]) -> Draft:
+    return Draft(tokens=torch.tensor([tokens], dtype=torch.long))  # a lookup's draft: deterministic, one-hot q
