@@ -37,6 +37,10 @@ def assert_clean_error(proc: subprocess.CompletedProcess, needle: str) -> None:
         (["generate", "hi", "--drafter", "eagle"], "use it with --method hybrid"),
         (["generate", "hi", "--draft-vocab", "8"], "--draft-vocab needs --draft"),
         (["generate", "hi", "--draft-vocab", "0"], "--draft-vocab"),
+        (["generate", "hi", "--method", "ngram", "--set", "max_ngrm=2"], "did you mean 'max_ngram'"),
+        (["generate", "hi", "--set", "max_ngram"], "--set: expected a proposer option as name=value"),
+        (["generate", "hi", "--method", "hybrid", "--drafter", "eagle", "--set", "drafter=medusa"], "already given"),
+        (["generate", "hi", "--method", "none", "--set", "max_ngram=2"], "does not take option 'max_ngram'"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, needle):
@@ -45,6 +49,18 @@ def test_bad_input_is_one_clear_line(args, needle):
 
 def test_not_a_model_folder(tmp_path):
     assert_clean_error(run_cli("generate", "hi", "--target", str(tmp_path)), "no config.json")
+
+
+def test_set_passes_proposer_options_to_the_method(tmp_path):
+    save_tiny_llama(tmp_path / "tiny")
+    common = ["generate", "abcabcabc", "--target", str(tmp_path / "tiny"), "--no-chat", "--json"]
+    plain = run_cli(*common, "--method", "none", "--max-new-tokens", "8")
+    for option in ("max_ngram=2", "min_ngram=2"):
+        proc = run_cli(*common, "--method", "ngram", "--set", option, "--max-new-tokens", "8")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    proc = run_cli(*common, "--method", "ngram", "--set", "max_ngram=1", "--set", "min_ngram=2")
+    assert_clean_error(proc, "min_ngram")  # the proposer's own check of the values, one line
 
 
 def test_tiny_model_json_output(tmp_path):

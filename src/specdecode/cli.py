@@ -134,6 +134,14 @@ def _generate_parser(sub: Any) -> None:
         help="early-exit: target layers the draft runs (default: measured best)",
     )
     p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a proposer option of --method (repeatable), e.g. --set prompt_window=256 (draft, hybrid) "
+        "or --set lookup=suffix (hybrid); a misspelt one is an error naming the options the method takes",
+    )
+    p.add_argument(
         "--shadow", action="store_true", help="decode plainly; record the acceptance the method would have had"
     )
     p.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default)")
@@ -343,6 +351,29 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _proposer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The proposer options of ``generate``: its own flags, then ``--set NAME=VALUE`` ones,
+    checked against ``--method``'s options before any model loads."""
+    from specdecode.errors import ConfigError
+    from specdecode.methods import parse_option
+
+    options: dict[str, Any] = {}
+    if args.exit_layers and args.method == "early-exit":
+        options["layers"] = args.exit_layers
+    if args.drafter:
+        options["drafter"] = args.drafter
+    if args.draft_dtype and method_spec(args.method).uses_draft:
+        options["dtype"] = args.draft_dtype
+    for text in args.set:
+        key, value = parse_option(text, "--set")
+        if key in options:
+            raise ConfigError(f"--set {key}: already given by its own flag")
+        options[key] = value
+    if args.method != "auto":
+        method_spec(args.method).check_options(list(options))
+    return options
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode.api import SpeculativeGenerator
     from specdecode.core.sampling import SamplingConfig
@@ -355,6 +386,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--drafter chooses the hybrid's trained drafter; use it with --method hybrid, not {args.method!r}"
         )
+    options = _proposer_options(args)
     from specdecode.runtime import set_threads
 
     set_threads(args.threads)
@@ -372,9 +404,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         shadow=args.shadow,
         tree=args.tree,
         max_nodes=args.max_nodes,
-        **({"layers": args.exit_layers} if args.exit_layers and args.method == "early-exit" else {}),
-        **({"drafter": args.drafter} if args.drafter else {}),
-        **({"dtype": args.draft_dtype} if args.draft_dtype and method_spec(args.method).uses_draft else {}),
+        **options,
     )
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,
