@@ -369,8 +369,7 @@ def _proposer_options(args: argparse.Namespace) -> dict[str, Any]:
         if key in options:
             raise ConfigError(f"--set {key}: already given by its own flag")
         options[key] = value
-    if args.method != "auto":
-        method_spec(args.method).check_options(list(options))
+    method_spec(args.method).check_options(list(options))  # auto forwards any to the method it picks
     return options
 
 

@@ -19,7 +19,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.runner import CONF_SUFFIX, OPTION_SEP, TREE_SUFFIX, base_method
+from specdecode.bench.runner import CONF_SUFFIX, TREE_SUFFIX, base_method, parse_method
 from specdecode.errors import InputError
 from specdecode.methods import COMPOSED, MEASURED, TRAINED, method_spec
 from specdecode.models.catalog import CATALOG
@@ -39,13 +39,7 @@ def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     config = results["config"]
     blocks = {}
     for method in MEASURED:
-        chains = [
-            a
-            for a in overall.values()
-            if base_method(a["method"]) == method  # chains with default options: what a card's settings say
-            and not a["method"].endswith(TREE_SUFFIX)
-            and OPTION_SEP not in a["method"]
-        ]
+        chains = [a for a in overall.values() if _default_chain(a["method"]) == method]
         drafted = _ran_a_draft_model(method, config)
         if not chains or (drafted and config.get("draft_name") not in CATALOG):
             continue
@@ -59,6 +53,13 @@ def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             settings |= {"draft": config["draft_name"], "draft_dtype": config["draft_dtype"]}
         blocks[method] = _block(results, best, rows, overall, settings, ngram)
     return blocks
+
+
+def _default_chain(name: str) -> str | None:
+    """The method of a chain cell with default proposer options (what a card's settings can
+    rebuild), else None."""
+    m = parse_method(name)
+    return None if m.tree or m.options else m.base
 
 
 def _ran_a_draft_model(method: str, config: dict[str, Any]) -> bool:

@@ -57,6 +57,8 @@ class DraftModelProposer(PerRequest):
             raise ConfigError(f"branch must be >= 1, got {branch}")
         if not isinstance(prompt_window, int) or prompt_window < 0:
             raise ConfigError(f"prompt_window must be an int >= 0 (0 reads the whole prompt), got {prompt_window!r}")
+        if prompt_window and self.caps.shares_target_cache:
+            raise ConfigError(f"{self.name} reads the target's own cache of the prompt: it takes no prompt_window")
         self.prompt_window = prompt_window
         self.model = model
         self.vocab_ids: torch.Tensor | None = getattr(model, "vocab_ids", None)

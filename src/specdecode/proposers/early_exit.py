@@ -39,8 +39,6 @@ class EarlyExitProposer(DraftModelProposer):
     def __init__(self, target, layers: int | None = None, **options) -> None:
         if target.backend != "native":
             raise ConfigError("early-exit needs the native backend (a Llama-family target)")
-        if options.get("prompt_window"):
-            raise ConfigError("early-exit reads the target's own cache of the prompt: it takes no prompt_window")
         self.layers = layers or max(1, round(len(target.weights.layers) * DEFAULT_EXIT_FRACTION))
         super().__init__(exit_model(target, self.layers), **options)
         self.shared = None

@@ -56,7 +56,6 @@ class HybridProposer(PerRequest):
         )
         self.rounds = {"lookup": 0, "drafter": 0, "short": 0}  # which source drafted, in this request
         self._source = "drafter"
-        self._weak: list[int] = []
         self._target_cache: object | None = None
 
     def _bind(self, target_cache: object | None) -> None:
@@ -69,7 +68,6 @@ class HybridProposer(PerRequest):
         self._target_cache = None
         self.rounds = dict.fromkeys(self.rounds, 0)
         self._source = "drafter"
-        self._weak = []
 
     def finish(self, context: list[int]) -> None:
         self.drafter.finish(context)
@@ -89,26 +87,25 @@ class HybridProposer(PerRequest):
         self.drafter.observe_forward(ids, positions, mask, hidden)
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        found = self._lookup(context, k) if k > 0 else []
-        if found:
-            return self._count("lookup", _chain(found))
+        found, weak = self._lookup(context, k) if k > 0 else (Draft.empty(), None)
+        if found.k:
+            return self._count("lookup", found)
         draft = self.drafter.propose(context, k, sampling, generator)
-        short = [] if draft.tokens.shape[1] or k == 0 else self._short(context, k)
-        return self._count("short", _chain(short)) if short else self._count("drafter", draft)
+        if draft.k or k == 0:
+            return self._count("drafter", draft)
+        short = weak if weak is not None else self._short_ngram(context, k)  # the drafter drafted nothing
+        return self._count("short", short) if short.k else self._count("drafter", draft)
 
-    def _lookup(self, context: list[int], k: int) -> list[int]:
-        """A lookup draft with at least ``min_match`` tokens of evidence behind it, or []."""
+    def _lookup(self, context: list[int], k: int) -> tuple[Draft, Draft | None]:
+        """(a lookup draft with at least ``min_match`` tokens of evidence behind it, else empty;
+        suffix's shorter draft, kept for a round the drafter leaves empty)."""
         if self.suffix is None:
-            return lookup(context, k, self.max_ngram, self.min_match)
-        tokens = self.suffix.propose(context, k, SamplingConfig(), None).tokens[0].tolist()
-        self._weak = tokens  # a draft shorter than min_match: what _short offers
-        return tokens if len(tokens) >= min(k, self.min_match) else []
+            return _chain(lookup(context, k, self.max_ngram, self.min_match)), None
+        drafted = Draft(tokens=self.suffix.propose(context, k, SamplingConfig(), None).tokens)  # unscored: q one-hot
+        return (drafted, None) if drafted.k >= min(k, self.min_match) else (Draft.empty(), drafted)
 
-    def _short(self, context: list[int], k: int) -> list[int]:
-        """A weaker lookup, drafted only when the drafter drafts nothing (its confidence stop)."""
-        if self.suffix is not None:
-            return self._weak
-        return lookup(context, k, self.min_match - 1) if self.min_match > 1 else []
+    def _short_ngram(self, context: list[int], k: int) -> Draft:
+        return _chain(lookup(context, k, self.min_match - 1)) if self.min_match > 1 else Draft.empty()
 
     def _count(self, source: str, draft: Draft) -> Draft:
         self._source = source
@@ -121,4 +118,5 @@ class HybridProposer(PerRequest):
 
 
 def _chain(tokens: list[int]) -> Draft:
-    return Draft(tokens=torch.tensor([tokens], dtype=torch.long))  # a lookup's draft: deterministic, one-hot q
+    """An n-gram lookup's draft (deterministic: one-hot q); empty where nothing matched."""
+    return Draft(tokens=torch.tensor([tokens], dtype=torch.long)) if tokens else Draft.empty()
