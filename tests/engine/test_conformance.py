@@ -69,6 +69,31 @@ def test_tiny_transformer_draft_reading_a_window_of_the_prompt_is_exact():
     assert conformance_pvalue(target, proposer, sampling, k=2, n_new=3) > ALPHA
 
 
+def test_hybrid_with_k_planned_per_source_is_exact():
+    """The hybrid (n-gram lookup, else a draft model) under the batch planner: each round's k is
+    chosen from the estimates of the source it names (lookup or drafter), and the draft model
+    reads the context only before its own rounds. Both sources draft over a thousand rounds,
+    and the law is the target's."""
+    from specdecode.engine.policy import make_policy
+    from specdecode.proposers.hybrid import HybridProposer
+
+    target, draft = tiny_llama(vocab=5, seed=0), tiny_llama(vocab=5, seed=1)
+    sampling = SamplingConfig(temperature=1.0, top_k=4)
+    states = []
+    proposer = HybridProposer(DraftModelProposer(draft))
+    start = proposer.start
+    proposer.start = lambda *args: states.append(start(*args)) or states[-1]
+    decoder = Decoder(target, proposer, policy=make_policy("auto", 3))
+    for n in (1, 200):  # a flat curve of slow forwards, so both sources draft at varied k
+        decoder.memory.costs.observe(n, 1.0 + 0.0001 * n)
+    decoder.memory.costs.ema = 0.0
+    prompt = [1, 2, 3, 4, 0, 1, 2]  # its tail repeats: the first round looks up, later ones draft
+    counts = sample_sequences(decoder, prompt, 3, sampling, N_SAMPLES)
+    assert chi_square_pvalue(counts, sequence_law(target, prompt, 3, sampling)) > ALPHA
+    rounds = {key: sum(s.rounds[key] for s in states) for key in ("lookup", "drafter")}
+    assert min(rounds.values()) > 1000, rounds
+
+
 def test_tiny_transformer_ngram_is_exact():
     target = tiny_llama(vocab=5, seed=2)
     sampling = SamplingConfig(temperature=0.7, top_p=0.9)

@@ -26,6 +26,7 @@ from specdecode.models import int8dot, native
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.proposers.base import PerRequest, ProposerCaps
 from specdecode.proposers.early_exit import EarlyExitProposer
+from specdecode.proposers.hybrid import HybridProposer
 from specdecode.proposers.suffix import SuffixProposer
 
 N_SAMPLES = 3_000
@@ -548,7 +549,8 @@ def test_a_proposers_next_request_starts_from_what_its_last_ones_measured():
     engine.memory.costs.ema = 0.0
     first = engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=24), spec)[0]
     assert first.token_ids == alone(target, [1, 2, 3], 24)
-    history, key = engine.memory.acceptance[id(spec.proposer)], id(spec.proposer)
+    key = (id(spec.proposer), "")  # a draft model drafts from one source
+    history = engine.memory.acceptance[key]
     assert history.rounds > 0 and history.estimates.cond[0] > 0.8 > 0.6  # above the flat prior
     assert engine.memory.draft_rates[key] > 0
     second = engine.submit([4, 3, 2, 1], GenerationConfig(max_new_tokens=24), spec)
@@ -556,6 +558,76 @@ def test_a_proposers_next_request_starts_from_what_its_last_ones_measured():
     assert second.policy.estimates() == history.estimates
     engine.run()
     assert second.result.token_ids == alone(target, [4, 3, 2, 1], 24)
+
+
+def hybrid_with_twin(target) -> tuple[HybridProposer, DraftModelProposer, list[tuple[str, int, int]]]:
+    """A hybrid whose drafter is the target's twin (drafts what the target says), and a log of
+    what happened to it: ("source:NAME", context length, k asked) for each round's named source,
+    ("catch_up", length, 0) and ("propose", length, k) for the draft model (its states log here)."""
+    twin = tiny_native(vocab=8, seed=5, layers=2)
+    log: list[tuple[str, int, int]] = []
+
+    class Logged(DraftModelProposer):
+        def catch_up(self, context):
+            log.append(("catch_up", len(context), 0))
+            super().catch_up(context)
+
+        def propose(self, context, k, sampling, generator):
+            log.append(("propose", len(context), k))
+            return super().propose(context, k, sampling, generator)
+
+    class LoggedHybrid(HybridProposer):
+        def source(self, context, k):
+            named = super().source(context, k)
+            log.append((f"source:{named.name}", len(context), k))
+            return named
+
+    drafter = Logged(twin)
+    return LoggedHybrid(drafter), drafter, log
+
+
+def test_a_composite_proposer_is_planned_source_by_source():
+    """The hybrid names each round's source before k is chosen: the engine keeps acceptance and
+    draft speed per source, and the draft model reads the context only before a round it drafts
+    (lookup rounds leave it behind, to read in one catch-up). Tokens are unchanged."""
+    target = tiny_native(vocab=8, seed=5, layers=2)
+    proposer, drafter, log = hybrid_with_twin(target)
+    spec = Speculation(proposer, policy=make_policy("auto", 4))
+    engine = Engine(target)
+    for n in (1, 200):  # a flat curve of slow forwards: drafting pays wherever it is accepted
+        engine.memory.costs.observe(n, 1.0 + 0.0001 * n)
+    engine.memory.costs.ema = 0.0
+    prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2] * 2
+    result = engine.generate([prompt], GenerationConfig(max_new_tokens=40), spec)[0]
+    assert result.token_ids == alone(target, prompt, 40)
+    rounds = result.stats["hybrid_rounds"]
+    assert rounds["lookup"] and rounds["drafter"], rounds
+    lookup_at = {n for kind, n, _ in log if kind == "source:lookup"}
+    read_at = {n for kind, n, _ in log if kind == "catch_up"}
+    drafted_at = {n for kind, n, k in log if kind == "propose" and k > 0}
+    assert read_at and read_at <= drafted_at and not read_at & lookup_at  # reads only for its own rounds
+    key = id(proposer)
+    assert set(engine.memory.acceptance) == {(key, "lookup"), (key, "drafter")}
+    rates = engine.memory.draft_rates
+    assert rates[(key, "lookup")] < rates[(key, "drafter")] / 5  # a lookup costs next to nothing
+
+
+def test_a_source_that_does_not_pay_stays_off_while_another_drafts():
+    """A draft model measured far too slow to pay is never asked for a draft, while the same
+    request's lookup rounds still draft (one estimate for both would have mixed them)."""
+    target = tiny_native(vocab=8, seed=5, layers=2)
+    proposer, drafter, log = hybrid_with_twin(target)
+    engine = Engine(target)
+    for n in (1, 200):
+        engine.memory.costs.observe(n, 1.0 + 0.0001 * n)
+    engine.memory.costs.ema = 0.0
+    engine.memory.draft_rates[(id(proposer), "drafter")] = 10.0  # seconds a token: ten forwards
+    spec = Speculation(proposer, policy=make_policy("auto", 4))
+    prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2] * 2
+    result = engine.generate([prompt], GenerationConfig(max_new_tokens=40), spec)[0]
+    assert result.token_ids == alone(target, prompt, 40)
+    assert result.stats["hybrid_rounds"]["lookup"] >= 3
+    assert not [entry for entry in log if entry[0] in ("propose", "catch_up")]  # nor read the prompt
 
 
 def test_acceptance_history_weighs_requests_by_their_rounds_and_forgets_slowly():

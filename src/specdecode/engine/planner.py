@@ -162,9 +162,10 @@ class AcceptanceHistory:
 
 class PlannerMemory:
     """What an engine learns about its target and proposers, apart from any request: forward
-    costs by row count, and for each proposer its seconds per context token read and per token
-    drafted, its score calibration and its acceptance history (keyed by the proposer object's
-    id, which the owner of this memory keeps alive).
+    costs by row count; for each proposer its seconds per context token read and its score
+    calibration (keyed by the proposer object's id, which the owner of this memory keeps
+    alive); for each of its sources (:class:`~specdecode.proposers.base.Source`) its seconds per
+    token drafted and its acceptance history (keyed by (id, source name)).
 
     An engine makes its own unless given one; a :class:`~specdecode.engine.loop.Decoder` gives
     every run the same, so one request after another starts from what the last ones measured
@@ -177,8 +178,8 @@ class PlannerMemory:
         self.costs = ForwardCosts()
         self.read_rates: dict[int, float] = {}  # a proposer's measured seconds per context token it reads
         self.calibrations: dict[int, ScoreCalibration] = {}  # what each proposer's draft scores are worth
-        self.draft_rates: dict[int, float] = {}  # a proposer's seconds per drafted token, over finished requests
-        self.acceptance: dict[int, AcceptanceHistory] = {}  # where each proposer's next request starts
+        self.draft_rates: dict[tuple[int, str], float] = {}  # a source's seconds per drafted token
+        self.acceptance: dict[tuple[int, str], AcceptanceHistory] = {}  # where a source's next request starts
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from specdecode.engine.shadow import ShadowTracker
 from specdecode.errors import ConfigError, InputError
 from specdecode.metrics import RequestMetrics
 from specdecode.models.base import CausalLM, KVCache
-from specdecode.proposers.base import ROUND_FEED, Proposer
+from specdecode.proposers.base import ROUND_FEED, SINGLE, Proposer, Source
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,18 @@ class GenerationResult:
 
 
 @dataclass
+class SourceState:
+    """What a request measures of one of its proposer's sources (:class:`Source`): its own k
+    policy (a copy of the request's), and its drafting rounds, tokens and seconds."""
+
+    policy: KPolicy
+    rounds: int = 0  # rounds that drafted
+    drafted: int = 0  # tokens drafted
+    draft_s: float = 0.0
+    off_steps: int = 0  # consecutive planned steps at k = 0 (to probe acceptance again)
+
+
+@dataclass
 class Row:
     """One request's rows of a step's forward."""
 
@@ -175,7 +187,8 @@ class Request:
         self.cache: KVCache | None = None
         self.k = 0  # drafts wanted this step
         self.read_upto = 0  # context length the proposer had read at its last drafting round
-        self.off_steps = 0  # consecutive planned steps at k = 0 (to probe acceptance again)
+        self.source: Source = SINGLE  # this round's drafter
+        self.sources: dict[str, SourceState] = {}  # by source name
         self.draft, self.tree, self.side = Draft.empty(), None, []  # this round's candidates
         self.accepted = 0  # drafts the target accepted in the last round
 
@@ -195,10 +208,9 @@ class Request:
         self.cache = self.target.new_cache(self.capacity)
         self.context = list(self.prompt_ids)
         spec = self.spec
-        self.policy = copy.deepcopy(spec.policy) if spec.policy is not None else FixedK(spec.k)
-        self.policy.reset()
         self.proposer = spec.proposer.start(self.prompt_ids, self.cache) if spec.proposer is not None else None
         self.shadow = ShadowTracker(self.proposer, spec.k_max, self.config.sampling) if spec.shadow else None
+        self.enter(self.next_source())
         self.reads_features = self.proposer is not None and self.proposer.caps.reads_target_features
         self.status = PREFILL if len(self.prompt_ids) > 1 else RUNNING
         self.admitted = time.perf_counter()
@@ -226,7 +238,40 @@ class Request:
         if self.fed == len(self.prompt_ids) - 1:
             self.status = RUNNING
 
-    # -- one round: plan, propose, row, absorb ----------------------------------------------------
+    # -- one round: source, plan, propose, row, absorb --------------------------------------------
+    def next_source(self) -> Source:
+        """The drafter of the coming round, as the proposer names it; SINGLE where rounds are
+        not planned by source (no proposer, shadow mode, trees)."""
+        if self.proposer is None or self.shadow is not None or self.spec.tree is not None:
+            return SINGLE
+        return self.proposer.source(self.context, self.clip(self.spec.k_max))
+
+    def enter(self, source: Source) -> bool:
+        """This round drafts from ``source``: its policy and tallies become current. True when
+        the request had not met the source before (its policy is fresh, at its prior)."""
+        self.source = source
+        if source.name in self.sources:
+            return False
+        spec = self.spec
+        policy = copy.deepcopy(spec.policy) if spec.policy is not None else FixedK(spec.k)
+        policy.reset()
+        self.sources[source.name] = SourceState(policy)
+        return True
+
+    @property
+    def current(self) -> SourceState:
+        return self.sources[self.source.name]
+
+    @property
+    def policy(self) -> KPolicy:
+        """The k policy of this round's source."""
+        return self.current.policy
+
+    @property
+    def source_key(self) -> tuple[int, str]:
+        """What an engine's memory files this round's source under: (proposer prototype, name)."""
+        return id(self.spec.proposer), self.source.name
+
     def policy_k(self, batch: int = 1) -> int:
         """This round's draft count by the request's own policy (told the step's ``batch``
         size), never past the token budget."""
@@ -240,7 +285,7 @@ class Request:
     def unread(self) -> int:
         """Committed tokens the proposer has not read (a draft model's prompt, rounds at k = 0)
         and would read in ``catch_up`` before drafting; 0 for proposers that read nothing."""
-        if self.proposer is None or not self.proposer.caps.catches_up:
+        if self.proposer is None or not self.proposer.caps.catches_up or not self.source.catches_up:
             return 0
         n = len(self.context) - self.read_upto
         if n <= ROUND_FEED:  # a drafting round's own leftovers go with the round
@@ -251,7 +296,8 @@ class Request:
         """Before a round that drafts (or shadow-drafts): the proposer reads the context it has
         not seen (a draft model's prompt), timed as prefill since it is prompt work, not drafting.
         Returns (tokens it had not read, seconds) for the engine's price of such reads."""
-        if self.proposer is None or not self.proposer.caps.catches_up or (self.k == 0 and self.shadow is None):
+        p = self.proposer
+        if p is None or not p.caps.catches_up or not self.source.catches_up or (self.k == 0 and self.shadow is None):
             return 0, 0.0
         n, t = self.unread(), time.perf_counter()
         self.proposer.catch_up(self.context)
@@ -338,6 +384,9 @@ class Request:
         if self.proposer is not None and not self.spec.shadow:
             m.k_history.append(drafted)
             self.policy.update(drafted, accepted, self.draft_share, verify_s, planned=self.k)
+            state = self.current
+            state.rounds, state.drafted = state.rounds + (drafted > 0), state.drafted + drafted
+            state.draft_s += self.draft_share
         self.context.extend(committed)
         event = self.output.add(committed)
         if self.config.logprobs is not None and event.token_ids:

@@ -245,6 +245,8 @@ class Engine:
         Returns the requests already drafted (free scored drafts, made before k was chosen)."""
         planned, other_rows, other_tokens = [], prefill_rows, 0.0
         for r in decoding:
+            if r.enter(r.next_source()):  # a source new to the request starts from its history
+                self._start_from_history(r)
             if r.spec.batch_planned:
                 planned.append(r)
                 continue
@@ -261,13 +263,13 @@ class Engine:
                 continue
             # Off for a while: judge the request as if unmeasured. Where even that optimism would
             # not pay (a saturated batch), no probe is forced on it: held off is plain decoding.
-            stale = r.off_steps + 1 >= self.config.probe_every
+            stale = r.current.off_steps + 1 >= self.config.probe_every
             accept = r.policy.accept_when_drafted(optimistic=stale)
             k_max, reach = r.clip(r.policy.k_max), r.policy.reach_by_position()
             candidates.append(Candidate(accept, self._draft_cost(r), k_max, reach, self._setup_cost(r, unpriced)))
         for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.memory.costs, prefill_rows)):
             r.k = k
-            r.off_steps = r.off_steps + 1 if k == 0 else 0
+            r.current.off_steps = r.current.off_steps + 1 if k == 0 else 0
             if r in drafted:
                 r.set_draft(r.draft)  # verify only the prefix the planner chose
         return drafted
@@ -309,31 +311,32 @@ class Engine:
             _fold(self.memory.read_rates, id(r.spec.proposer), seconds / tokens)
 
     def _draft_cost(self, r: Request) -> float:
-        """Seconds per drafted token: this request's own measurements, else its proposer's on
-        earlier requests, else a small share of c(1)."""
-        m = r.metrics
-        if m.drafted_tokens:
-            return m.draft_s / m.drafted_tokens
-        rate = self.memory.draft_rates.get(id(r.spec.proposer))
+        """Seconds per token drafted by this round's source: this request's own measurements,
+        else the source's on earlier requests, else a small share of c(1)."""
+        state = r.current
+        if state.drafted:
+            return state.draft_s / state.drafted
+        rate = self.memory.draft_rates.get(r.source_key)
         return rate if rate is not None else 0.05 * self.memory.costs(1)
 
     def _start_from_history(self, r: Request) -> None:
-        """A planned request starts from what its proposer's earlier requests measured."""
-        history = self.memory.acceptance.get(id(r.spec.proposer)) if r.spec.batch_planned else None
+        """A planned request's current source starts from what earlier requests measured of it."""
+        history = self.memory.acceptance.get(r.source_key) if r.spec.batch_planned else None
         if history is not None and history.estimates is not None:
             policy: PlannedPolicy = r.policy  # batch_planned: the policy is a PlannedPolicy
             policy.start_from(history.estimates)
 
     def _remember(self, r: Request) -> None:
-        """Fold a leaving request's acceptance estimates and draft speed into its proposer's."""
+        """Fold a leaving request's acceptance estimates and draft speed, source by source, into
+        its proposer's."""
         if not r.spec.batch_planned:
             return
-        key, m = id(r.spec.proposer), r.metrics
-        policy: PlannedPolicy = r.policy
-        rounds = m.position_drafted[0] if m.position_drafted else 0  # rounds that drafted
-        self.memory.acceptance.setdefault(key, AcceptanceHistory()).observe(policy.estimates(), rounds)
-        if m.drafted_tokens:
-            _fold(self.memory.draft_rates, key, m.draft_s / m.drafted_tokens)
+        for name, state in r.sources.items():
+            key = (id(r.spec.proposer), name)
+            policy: PlannedPolicy = state.policy
+            self.memory.acceptance.setdefault(key, AcceptanceHistory()).observe(policy.estimates(), state.rounds)
+            if state.drafted:
+                _fold(self.memory.draft_rates, key, state.draft_s / state.drafted)
 
     def _propose(self, decoding: list[Request]) -> None:
         """Draft every request's candidates; a proposer that declares batched drafting gets all of
@@ -427,7 +430,7 @@ class Engine:
         return {b: total / n for b, (total, n) in sorted(sums.items())}
 
 
-def _fold(rates: dict[int, float], key: int, rate: float) -> None:
+def _fold(rates: dict[Any, float], key: Any, rate: float) -> None:
     """A proposer's running rate (seconds per token): 30% the newest measurement."""
     old = rates.get(key)
     rates[key] = rate if old is None else 0.7 * old + 0.3 * rate

@@ -38,6 +38,25 @@ class ProposerCaps:
     scored_drafts: bool = False
 
 
+@dataclass(frozen=True)
+class Source:
+    """Which of a proposer's drafters drafts the coming round, named before the engine chooses
+    its k (``Proposer.source``). A composite proposer (the hybrid: lookup, else a draft model)
+    mixes drafters whose costs and acceptance differ by far; the engine keeps its acceptance
+    estimates and draft speed per source, so a free, well-accepted lookup round does not make
+    the draft model look cheap, nor the draft model's rounds make the lookup look poor.
+
+    ``catches_up``: the round needs the proposer's ``catch_up`` first (where ``caps.catches_up``).
+    A lookup round does not, so a draft model reads the context only before a round it drafts.
+    """
+
+    name: str = ""
+    catches_up: bool = True
+
+
+SINGLE = Source()  # a proposer with one drafter (and any round the engine does not plan by source)
+
+
 # The most committed tokens a round may leave a catching-up proposer to read after a round that
 # drafted (a rejection's correction, or the last draft and the bonus token): more is a catch-up.
 ROUND_FEED = 2
@@ -69,6 +88,12 @@ class Proposer(Protocol):
         tokens of rounds it did not draft) before a round that drafts. Called only where
         ``caps.catches_up``; the engine times it as prefill, so a round's draft time stays the
         price of drafting alone. A request that never drafts never pays for it."""
+        ...
+
+    def source(self, context: list[int], k: int) -> Source:
+        """The drafter of the round about to continue ``context`` with up to ``k`` drafts; a
+        function of the committed context alone (so choosing k by it keeps sampling exact). The
+        next ``propose`` on the same context drafts from it, with any k up to ``k``."""
         ...
 
     def reads(self, start: int, end: int) -> int:
@@ -114,6 +139,9 @@ class PerRequest:
 
     def catch_up(self, context: list[int]) -> None:
         pass
+
+    def source(self, context: list[int], k: int) -> Source:
+        return SINGLE
 
     def reads(self, start: int, end: int) -> int:
         return end - start

@@ -9,6 +9,10 @@ when the drafter drafts nothing (its confidence stop), a shorter match is tried 
 is n-gram prompt lookup, or suffix decoding (``lookup="suffix"``), which also continues what this
 proposer's earlier requests wrote.
 
+Each round's source is named before the engine chooses k (``source``): the engine keeps
+acceptance and draft speed per source, and a draft model reads the context it has not seen only
+before a round it drafts, so rounds that lookup covers cost it nothing.
+
 Exactness: which proposer drafts depends on the committed context alone (and, for suffix, on
 the outputs of requests that finished before), never on this round's draws; each reports
 exactly its own q (one-hot for lookup), so the one verifier keeps the target's distribution.
@@ -23,11 +27,13 @@ import torch
 from specdecode.core.sampling import SamplingConfig
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
-from specdecode.proposers.base import PerRequest, Proposer, ProposerCaps
+from specdecode.proposers.base import PerRequest, Proposer, ProposerCaps, Source
 from specdecode.proposers.ngram import lookup
 from specdecode.proposers.suffix import SuffixProposer
 
 LOOKUPS = ("ngram", "suffix")
+LOOKUP = Source("lookup", catches_up=False)  # a lookup round: the drafter need not read anything
+DRAFTER = Source("drafter")
 
 
 class HybridProposer(PerRequest):
@@ -55,8 +61,10 @@ class HybridProposer(PerRequest):
             catches_up=inner.catches_up,
         )
         self.rounds = {"lookup": 0, "drafter": 0, "short": 0}  # which source drafted, in this request
+        self.drafted = dict.fromkeys(self.rounds, 0)  # and how many tokens
         self._source = "drafter"
         self._target_cache: object | None = None
+        self._named: tuple[int, Draft, Draft | None] | None = None  # (context length, lookup, weak) of ``source``
 
     def _bind(self, target_cache: object | None) -> None:
         self._target_cache = target_cache  # for the drafter's own start, in reset
@@ -67,7 +75,9 @@ class HybridProposer(PerRequest):
         self.suffix = None if self.suffix is None else self.suffix.start(prompt_ids)
         self._target_cache = None
         self.rounds = dict.fromkeys(self.rounds, 0)
+        self.drafted = dict.fromkeys(self.rounds, 0)
         self._source = "drafter"
+        self._named = None
 
     def finish(self, context: list[int]) -> None:
         self.drafter.finish(context)
@@ -75,7 +85,7 @@ class HybridProposer(PerRequest):
             self.suffix.finish(context)  # the output joins the suffix corpus
 
     def stats(self) -> dict:
-        return {"hybrid_rounds": dict(self.rounds), **self.drafter.stats()}
+        return {"hybrid_rounds": dict(self.rounds), "hybrid_drafted": dict(self.drafted), **self.drafter.stats()}
 
     def catch_up(self, context: list[int]) -> None:
         self.drafter.catch_up(context)
@@ -86,8 +96,19 @@ class HybridProposer(PerRequest):
     def observe_forward(self, ids, positions, mask, hidden) -> None:
         self.drafter.observe_forward(ids, positions, mask, hidden)
 
-    def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+    def source(self, context: list[int], k: int) -> Source:
+        """A lookup round when the lookup finds ``k`` drafts' worth of evidence, else the
+        drafter's; ``propose`` on this context then drafts the same source's tokens."""
         found, weak = self._lookup(context, k) if k > 0 else (Draft.empty(), None)
+        self._named = (len(context), found, weak)
+        return LOOKUP if found.k else DRAFTER
+
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        named, self._named = self._named, None
+        if named is not None and named[0] == len(context):  # the source named for this round
+            found, weak = named[1].prefix(k), None if named[2] is None else named[2].prefix(k)
+        else:
+            found, weak = self._lookup(context, k) if k > 0 else (Draft.empty(), None)
         if found.k:
             return self._count("lookup", found)
         draft = self.drafter.propose(context, k, sampling, generator)
@@ -110,6 +131,7 @@ class HybridProposer(PerRequest):
     def _count(self, source: str, draft: Draft) -> Draft:
         self._source = source
         self.rounds[source] += 1
+        self.drafted[source] += draft.k
         return draft
 
     def observe(self, num_accepted: int) -> None:
