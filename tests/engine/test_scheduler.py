@@ -630,6 +630,23 @@ def test_a_source_that_does_not_pay_stays_off_while_another_drafts():
     assert not [entry for entry in log if entry[0] in ("propose", "catch_up")]  # nor read the prompt
 
 
+def test_a_draft_models_read_is_spread_over_the_tokens_requests_typically_make():
+    """A prompt read is priced per step as its share over the tokens still to come: the budget
+    left until a request has finished, then what finished requests made (answers that stop at
+    EOS long before max_new_tokens made the read look cheaper than it was)."""
+    target = tiny_native(vocab=8, seed=5, layers=2)
+    engine = Engine(target)
+    waiting = engine.submit([1, 2, 3], GenerationConfig(max_new_tokens=100))
+    assert engine._remaining(waiting) == 100  # nothing finished yet: the whole budget
+    engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=8))  # (the first request runs too)
+    typical = engine.memory.output_tokens
+    assert 8 <= typical < 100
+    fresh = engine.submit([3, 2, 1], GenerationConfig(max_new_tokens=100))
+    assert engine._remaining(fresh) == pytest.approx(typical)
+    short = engine.submit([3, 2, 1], GenerationConfig(max_new_tokens=4))
+    assert engine._remaining(short) == 4  # never more than its own budget leaves
+
+
 def test_acceptance_history_weighs_requests_by_their_rounds_and_forgets_slowly():
     def est(a: float) -> AcceptanceEstimates:
         return AcceptanceEstimates((a, a), (a, a * a), (1.0, 1.0))

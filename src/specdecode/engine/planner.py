@@ -162,7 +162,7 @@ class AcceptanceHistory:
 
 class PlannerMemory:
     """What an engine learns about its target and proposers, apart from any request: forward
-    costs by row count; for each proposer its seconds per context token read and its score
+    costs by row count; how many tokens a request typically makes; for each proposer its seconds per context token read and its score
     calibration (keyed by the proposer object's id, which the owner of this memory keeps
     alive); for each of its sources (:class:`~specdecode.proposers.base.Source`) its seconds per
     token drafted and its acceptance history (keyed by (id, source name)).
@@ -180,6 +180,7 @@ class PlannerMemory:
         self.calibrations: dict[int, ScoreCalibration] = {}  # what each proposer's draft scores are worth
         self.draft_rates: dict[tuple[int, str], float] = {}  # a source's seconds per drafted token
         self.acceptance: dict[tuple[int, str], AcceptanceHistory] = {}  # where a source's next request starts
+        self.output_tokens: float | None = None  # tokens a finished request made (EMA), to spread reads over
 
 
 @dataclass(frozen=True)

@@ -292,7 +292,7 @@ class Engine:
     def _setup_cost(self, r: Request, unpriced: set[int]) -> float:
         """This step's share of the context read a request pays before it drafts again (its
         draft model's prompt): seconds per token measured on earlier reads by the same proposer,
-        spread over the tokens the request still has to make. Before any read was measured, one
+        spread over the tokens the request is expected still to make. Before any read was measured, one
         request a step may read for free (so the price gets measured) and the others may not."""
         unread = r.unread()
         if not unread:
@@ -304,7 +304,18 @@ class Engine:
                 return float("inf")
             unpriced.add(key)
             return 0.0
-        return rate * unread / max(r.config.max_new_tokens - r.output.count, 1)
+        return rate * unread / self._remaining(r)
+
+    def _remaining(self, r: Request) -> float:
+        """Tokens the request is still expected to make: what its budget leaves, or fewer where
+        the engine's finished requests ended sooner (an EOS well before ``max_new_tokens``: a
+        read spread over the whole budget looked cheaper than it was). Never below a quarter of
+        that typical length, since a request past it may run on."""
+        left = max(r.config.max_new_tokens - r.output.count, 1)
+        typical = self.memory.output_tokens
+        if typical is None:
+            return left
+        return max(min(left, max(typical - r.output.count, typical / 4)), 1.0)
 
     def _priced_read(self, r: Request, tokens: int, seconds: float) -> None:
         if tokens >= 8:  # long enough to time (a prompt, a stretch at k = 0)
@@ -413,6 +424,10 @@ class Engine:
         self.running = [r for r in self.running if r.status != DONE]
 
     def _close(self, r: Request) -> None:
+        if not r.cancelled:
+            old = self.memory.output_tokens
+            n = float(r.output.count)
+            self.memory.output_tokens = n if old is None else 0.7 * old + 0.3 * n
         self._remember(r)
         r.finish()
         r.free()
