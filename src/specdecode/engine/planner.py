@@ -162,9 +162,9 @@ class AcceptanceHistory:
 
 class PlannerMemory:
     """What an engine learns about its target and proposers, apart from any request: forward
-    costs by row count; how many tokens a request typically makes; for each proposer its seconds per context token read and its score
-    calibration (keyed by the proposer object's id, which the owner of this memory keeps
-    alive); for each of its sources (:class:`~specdecode.proposers.base.Source`) its seconds per
+    costs by row count; how many tokens a request typically makes; for each proposer its
+    seconds per context token read and its score calibration (keyed by the proposer object's
+    id, which the owner of this memory keeps alive); for each of its sources (:class:`~specdecode.proposers.base.Source`) its seconds per
     token drafted and its acceptance history (keyed by (id, source name)).
 
     An engine makes its own unless given one; a :class:`~specdecode.engine.loop.Decoder` gives

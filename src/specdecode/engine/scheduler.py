@@ -292,8 +292,9 @@ class Engine:
     def _setup_cost(self, r: Request, unpriced: set[int]) -> float:
         """This step's share of the context read a request pays before it drafts again (its
         draft model's prompt): seconds per token measured on earlier reads by the same proposer,
-        spread over the tokens the request is expected still to make. Before any read was measured, one
-        request a step may read for free (so the price gets measured) and the others may not."""
+        spread over the tokens the request is expected still to make. Before any read was
+        measured, one request a step may read for free (so the price gets measured) and the
+        others may not."""
         unread = r.unread()
         if not unread:
             return 0.0
