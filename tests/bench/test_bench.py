@@ -347,6 +347,25 @@ def test_methods_take_proposer_options_per_cell(models, tmp_path):
     assert by_prompt and all(len(c) == 3 and len({tuple(t) for t in c.values()}) == 1 for c in by_prompt.values())
 
 
+def test_a_composite_proposers_sources_are_reported(models, tmp_path):
+    """The hybrid's rounds and drafts per source (lookup, its draft model) reach results.json's
+    aggregates, the console and summary.md; single-source cells report none."""
+    workload = write_jsonl(tmp_path / "w.jsonl", WORKLOAD)
+    argv = ["bench", "--workload", str(workload), "--out", str(tmp_path / "out"), "--target", str(models / "target")]
+    argv += ["--draft", str(models / "draft"), "--methods", "none,ngram,hybrid", "--k", "2", "--temperatures", "0"]
+    rc, stdout, stderr = run_cli([*argv, "--max-new-tokens", "8", "--no-hf"])
+    assert rc == 0, stderr
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    overall = {r["cell"]: r for r in results["aggregates"] if r["category"] == "overall"}
+    sources = overall["hybrid|k=2|T=0"]["sources"]
+    assert set(sources) == {"lookup", "drafter"}
+    assert sum(f["rounds"] for f in sources.values()) > 0
+    assert sum(f["drafted"] for f in sources.values()) == overall["hybrid|k=2|T=0"]["drafted_tokens"]
+    assert overall["ngram|k=2|T=0"]["sources"] is None
+    assert "Drafting rounds by source" in stdout and "hybrid k=2: lookup" in stdout
+    assert "## Sources" in (tmp_path / "out" / "summary.md").read_text()
+
+
 def test_humaneval_is_a_named_workload():
     from specdecode.bench.workload import load_workload, select
 

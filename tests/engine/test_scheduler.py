@@ -602,6 +602,7 @@ def test_a_composite_proposer_is_planned_source_by_source():
     assert result.token_ids == alone(target, prompt, 40)
     rounds = result.stats["hybrid_rounds"]
     assert rounds["lookup"] and rounds["drafter"], rounds
+    assert result.stats["sources"]["lookup"]["rounds"] == rounds["lookup"]  # the engine's own tally
     lookup_at = {n for kind, n, _ in log if kind == "source:lookup"}
     read_at = {n for kind, n, _ in log if kind == "catch_up"}
     drafted_at = {n for kind, n, k in log if kind == "propose" and k > 0}

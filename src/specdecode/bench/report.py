@@ -131,6 +131,26 @@ def _sum(recs: list[dict[str, Any]], field: str) -> float:
     return float(sum((r["stats"].get(field) or 0.0) for r in recs))
 
 
+def _sources(recs: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
+    """A composite proposer's rounds that drafted, tokens drafted and draft seconds, per source
+    (the engine's ``stats["sources"]``), summed over ``recs``; None for a single-source cell."""
+    total: dict[str, dict[str, float]] = {}
+    for r in recs:
+        for name, figures in (r["stats"].get("sources") or {}).items():
+            acc = total.setdefault(name, {"rounds": 0, "drafted": 0, "draft_s": 0.0})
+            for field in acc:
+                acc[field] += figures.get(field, 0)
+    return total or None
+
+
+def sources_line(row: dict[str, Any], with_temp: bool = False) -> str | None:
+    """ "hybrid k=auto: lookup 147 rounds, 641 drafts; drafter 2 rounds, 2 drafts", or None."""
+    if not row.get("sources"):
+        return None
+    parts = [f"{name} {int(f['rounds'])} rounds, {int(f['drafted'])} drafts" for name, f in row["sources"].items()]
+    return f"{cell_label(row, with_temp)}: " + "; ".join(parts)
+
+
 def _row(
     cell: dict[str, Any],
     scope: str,
@@ -173,6 +193,7 @@ def _row(
         # P(a round accepts more than i drafts), over every target call: what the cost model takes
         "round_acceptance": [_div(a, calls) for a in pos_a],
         "mean_k": _div(sum(history), len(history)) if history else None,
+        "sources": _sources(recs),
         "total_s": total,
         "tokens_per_s": _div(tokens, total),
         "ttft_s": _div(_sum(recs, "ttft_s"), len(recs)),
@@ -400,6 +421,9 @@ def summary_markdown(results: dict[str, Any]) -> str:
         )
     else:
         parts.append("(no speculative cells)")
+    sources = _sources_lines(results, multi)
+    if sources:
+        parts += ["", "## Sources", "", *[f"- {line}" for line in sources[1:]]]
     bound = ceiling(results)
     if bound is not None:
         parts += ["", "## Ceiling", "", ceiling_sentence(bound)]
@@ -678,9 +702,17 @@ def print_console(results: dict[str, Any], console: Any) -> None:
     for label, vals in lines:
         matrix.add_row(label, *vals)
     console.print(matrix)
+    for line in _sources_lines(results, multi):
+        console.print(line)
     bound = ceiling(results)
     if bound is not None:
         console.print(ceiling_sentence(bound))
+
+
+def _sources_lines(results: dict[str, Any], multi: bool) -> list[str]:
+    """Which source drafted, for each composite proposer's cell (overall), under a heading."""
+    lines = [line for row in _rows(results, OVERALL) if (line := sources_line(row, multi))]
+    return ["Drafting rounds by source (a composite proposer's):", *lines] if lines else []
 
 
 def summary_line(results: dict[str, Any], out: Path) -> dict[str, Any]:

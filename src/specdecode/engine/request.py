@@ -450,6 +450,11 @@ class Request:
         if self.proposer is not None:
             self.proposer.finish(self.context)
             stats.update(self.proposer.stats())
+        named = {name: state for name, state in self.sources.items() if name}
+        if named:  # a composite proposer: what each source drafted
+            stats["sources"] = {
+                name: {"rounds": st.rounds, "drafted": st.drafted, "draft_s": st.draft_s} for name, st in named.items()
+            }
         if self.shadow is not None:
             stats.update(self.shadow.stats())
         reason = "cancelled" if self.cancelled and not self.output.finished else self.output.finish_reason
