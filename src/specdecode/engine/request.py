@@ -260,6 +260,7 @@ class Request:
 
     @property
     def current(self) -> SourceState:
+        """What the request measured of this round's source (entered by ``enter``)."""
         return self.sources[self.source.name]
 
     @property

@@ -97,8 +97,9 @@ class HybridProposer(PerRequest):
         self.drafter.observe_forward(ids, positions, mask, hidden)
 
     def source(self, context: list[int], k: int) -> Source:
-        """A lookup round when the lookup finds ``k`` drafts' worth of evidence, else the
-        drafter's; ``propose`` on this context then drafts the same source's tokens."""
+        """A lookup round when the lookup has its evidence (see ``_lookup``) for up to ``k``
+        drafts, else the drafter's. The next ``propose`` on this context drafts from the source
+        named here (the lookup's drafts, cut to the k the engine chose)."""
         found, weak = self._lookup(context, k) if k > 0 else (Draft.empty(), None)
         self._named = (len(context), found, weak)
         return LOOKUP if found.k else DRAFTER
