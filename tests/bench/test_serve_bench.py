@@ -379,6 +379,11 @@ def test_a_draft_model_given_once_serves_the_draft_and_hybrid_cells(tmp_path):
     assert set(cells) == {"none", "draft-k2", "hybrid-k2"}
     assert all(c["completed"] == 2 for c in cells.values())
     assert sum(r["drafted_tokens"] or 0 for r in cells["draft-k2"]["request_records"]) > 0
+    sources = cells["hybrid-k2"]["sources"]  # what each of the hybrid's sources drafted
+    assert set(sources) == {"lookup", "drafter"} and cells["draft-k2"]["sources"] is None
+    assert sum(f["drafted"] for f in sources.values()) == cells["hybrid-k2"]["drafted_tokens"]
+    assert "drafting rounds by source" in stdout and "hybrid-k2 c=2 T=0: lookup" in stdout
+    assert "## Drafting rounds by source" in (out / "summary.md").read_text()
 
 
 def test_url_refuses_a_draft_model(tmp_path):

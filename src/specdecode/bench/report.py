@@ -131,24 +131,29 @@ def _sum(recs: list[dict[str, Any]], field: str) -> float:
     return float(sum((r["stats"].get(field) or 0.0) for r in recs))
 
 
-def _sources(recs: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
+def sum_sources(stats: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
     """A composite proposer's rounds that drafted, tokens drafted and draft seconds, per source
-    (the engine's ``stats["sources"]``), summed over ``recs``; None for a single-source cell."""
+    (the engine's ``stats["sources"]``), summed over requests' ``stats``; None for a proposer
+    with one source."""
     total: dict[str, dict[str, float]] = {}
-    for r in recs:
-        for name, figures in (r["stats"].get("sources") or {}).items():
+    for st in stats:
+        for name, figures in (st.get("sources") or {}).items():
             acc = total.setdefault(name, {"rounds": 0, "drafted": 0, "draft_s": 0.0})
             for field in acc:
                 acc[field] += figures.get(field, 0)
     return total or None
 
 
+def sources_text(sources: dict[str, dict[str, float]]) -> str:
+    """Each source's figures in a line, e.g. ``lookup 147 rounds, 641 drafts; drafter 2 rounds, 2 drafts``."""
+    return "; ".join(f"{name} {int(f['rounds'])} rounds, {int(f['drafted'])} drafts" for name, f in sources.items())
+
+
 def sources_line(row: dict[str, Any], with_temp: bool = False) -> str | None:
-    """ "hybrid k=auto: lookup 147 rounds, 641 drafts; drafter 2 rounds, 2 drafts", or None."""
+    """The cell's label and :func:`sources_text`, or None for a proposer with one source."""
     if not row.get("sources"):
         return None
-    parts = [f"{name} {int(f['rounds'])} rounds, {int(f['drafted'])} drafts" for name, f in row["sources"].items()]
-    return f"{cell_label(row, with_temp)}: " + "; ".join(parts)
+    return f"{cell_label(row, with_temp)}: " + sources_text(row["sources"])
 
 
 def _row(
@@ -193,7 +198,7 @@ def _row(
         # P(a round accepts more than i drafts), over every target call: what the cost model takes
         "round_acceptance": [_div(a, calls) for a in pos_a],
         "mean_k": _div(sum(history), len(history)) if history else None,
-        "sources": _sources(recs),
+        "sources": sum_sources([r["stats"] for r in recs]),
         "total_s": total,
         "tokens_per_s": _div(tokens, total),
         "ttft_s": _div(_sum(recs, "ttft_s"), len(recs)),

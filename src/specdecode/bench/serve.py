@@ -569,6 +569,7 @@ class Trace:
                     "accepted_tokens",
                     "queue_s",
                     "k_history",
+                    "sources",
                 )
             },
         }

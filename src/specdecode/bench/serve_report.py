@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from specdecode.bench.report import CSS, _html_table, _md_table, _pct, _round, write_files
+from specdecode.bench.report import CSS, _html_table, _md_table, _pct, _round, sources_text, sum_sources, write_files
 
 if TYPE_CHECKING:
     from specdecode.bench.serve import Arm, LoadPoint, LoadRun
@@ -101,6 +101,7 @@ def cell_metrics(
         "accepted_tokens": accepted,
         "target_calls": calls,
         "mean_k": _mean_k(history, calls_k) if speculative else None,
+        "sources": sum_sources(stats),
         "engine": info,
         "in_flight": {
             "max": max(run.in_flight, default=0),
@@ -435,6 +436,9 @@ def summary_markdown(results: dict[str, Any]) -> str:
             "",
             _md_table(HEADER, [row_cells(c) for c in _sorted_cells(results, temp)]),
         ]
+    sources = _sources_lines(results)
+    if sources:
+        parts += ["", "## Drafting rounds by source", "", *[f"- {line.strip()}" for line in sources[1:]]]
     parts += ["", "## k chosen by batch size (all load points)", ""]
     kb = results["k_by_batch_size"]
     sizes = sorted({int(b) for v in kb.values() for b in v})
@@ -613,8 +617,20 @@ def print_console(results: dict[str, Any], console: Any) -> None:
         console.print(table)
     for a in results["arms"]:
         console.print(f"  {a['name']}: {a['label']}")
+    for line in _sources_lines(results):
+        console.print(line)
     for target, verdict, detail in _target_lines(results):
         console.print(f"target: {target}: {verdict} ({detail})")
+
+
+def _sources_lines(results: dict[str, Any]) -> list[str]:
+    """Which source drafted, for each cell of a composite proposer (the hybrid), under a heading."""
+    lines = [
+        f"  {c['arm']} {c['load']['label']} T={c['temperature']:g}: " + sources_text(c["sources"])
+        for c in results["cells"]
+        if c.get("sources")
+    ]
+    return ["drafting rounds by source (a composite proposer's):", *lines] if lines else []
 
 
 def summary_json(results: dict[str, Any], out: Path) -> str:
