@@ -516,7 +516,7 @@ def test_free_scored_drafts_are_made_first_and_only_the_sure_prefix_is_verified(
     assert request.result.token_ids == alone(target, [1, 2, 3, 4], 24)
     cut = [(scores, k) for scores, k in seen if k < 6]
     assert cut and all(len(scores) == k for scores, k in seen)  # verified exactly what was planned
-    assert engine.memory.calibrations[id(spec.proposer)].judged != [0.0] * 10  # and learnt from it
+    assert engine.memory.calibrations[(id(spec.proposer), "greedy")].judged != [0.0] * 10  # and learnt from it
 
 
 def test_a_decoders_runs_share_what_the_planner_learnt():
@@ -529,11 +529,11 @@ def test_a_decoders_runs_share_what_the_planner_learnt():
     first = decoder.run([1, 2, 3, 4], GenerationConfig(max_new_tokens=16))
     first.result()
     assert first.engine.memory is decoder.memory and decoder.memory.costs.points
-    judged = sum(decoder.memory.calibrations[id(decoder.spec.proposer)].judged)
+    judged = sum(decoder.memory.calibrations[(id(decoder.spec.proposer), "greedy")].judged)
     second = decoder.run([4, 3, 2, 1], GenerationConfig(max_new_tokens=16))
     assert second.engine is not first.engine and second.engine.memory is decoder.memory
     assert second.result().token_ids == alone(target, [4, 3, 2, 1], 16)
-    assert sum(decoder.memory.calibrations[id(decoder.spec.proposer)].judged) > judged > 0
+    assert sum(decoder.memory.calibrations[(id(decoder.spec.proposer), "greedy")].judged) > judged > 0
     assert Engine(target).memory is not decoder.memory  # an engine of its own learns alone
 
 
@@ -550,7 +550,7 @@ def test_a_proposers_next_request_starts_from_what_its_last_ones_measured():
     first = engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=24), spec)[0]
     assert first.token_ids == alone(target, [1, 2, 3], 24)
     key = (id(spec.proposer), "")  # a draft model drafts from one source
-    history = engine.memory.acceptance[key]
+    history = engine.memory.acceptance[(*key, "greedy")]
     assert history.rounds > 0 and history.estimates.cond[0] > 0.8 > 0.6  # above the flat prior
     assert engine.memory.draft_rates[key] > 0
     second = engine.submit([4, 3, 2, 1], GenerationConfig(max_new_tokens=24), spec)
@@ -608,7 +608,7 @@ def test_a_composite_proposer_is_planned_source_by_source():
     drafted_at = {n for kind, n, k in log if kind == "propose" and k > 0}
     assert read_at and read_at <= drafted_at and not read_at & lookup_at  # reads only for its own rounds
     key = id(proposer)
-    assert set(engine.memory.acceptance) == {(key, "lookup"), (key, "drafter")}
+    assert set(engine.memory.acceptance) == {(key, "lookup", "greedy"), (key, "drafter", "greedy")}
     rates = engine.memory.draft_rates
     assert rates[(key, "lookup")] < rates[(key, "drafter")] / 5  # a lookup costs next to nothing
 
@@ -629,6 +629,26 @@ def test_a_source_that_does_not_pay_stays_off_while_another_drafts():
     assert result.token_ids == alone(target, prompt, 40)
     assert result.stats["hybrid_rounds"]["lookup"] >= 3
     assert not [entry for entry in log if entry[0] in ("propose", "catch_up")]  # nor read the prompt
+
+
+def test_greedy_and_sampled_requests_learn_acceptance_apart():
+    """Acceptance history is kept per sampling regime: sampled requests of a proposer do not
+    move where its next greedy request starts (a greedy draft must equal the argmax; a sampled
+    one is kept with probability min(1, p/q)), nor its score calibration."""
+    target = tiny_native(vocab=8, seed=5, layers=2)
+    spec = Speculation(NgramProposer(), policy=make_policy("auto", 3))
+    engine = Engine(target)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2]
+    engine.generate([prompt], GenerationConfig(max_new_tokens=16), spec)
+    greedy = engine.memory.acceptance[(id(spec.proposer), "", "greedy")]
+    before = (greedy.estimates, greedy.rounds)
+    hot = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=1.0), seed=3)
+    engine.generate([prompt], hot, spec)
+    assert (id(spec.proposer), "", "T=1") in engine.memory.acceptance
+    assert (greedy.estimates, greedy.rounds) == before
+    request = engine.submit(prompt, GenerationConfig(max_new_tokens=4), spec)
+    engine.step()
+    assert request.policy.estimates() == greedy.estimates  # a greedy request starts from greedy ones
 
 
 def test_a_draft_models_read_is_spread_over_the_tokens_requests_typically_make():

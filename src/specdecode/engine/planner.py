@@ -162,10 +162,14 @@ class AcceptanceHistory:
 
 class PlannerMemory:
     """What an engine learns about its target and proposers, apart from any request: forward
-    costs by row count; how many tokens a request typically makes; for each proposer its
-    seconds per context token read and its score calibration (keyed by the proposer object's
-    id, which the owner of this memory keeps alive); for each of its sources (:class:`~specdecode.proposers.base.Source`) its seconds per
-    token drafted and its acceptance history (keyed by (id, source name)).
+    costs by row count; how many tokens a request typically makes; for each proposer (keyed by
+    the proposer object's id, which the owner of this memory keeps alive) its seconds per
+    context token read; for each of its sources (:class:`~specdecode.proposers.base.Source`)
+    its seconds per token drafted (keyed by (id, source name)); and, apart for greedy requests
+    and for each sampling temperature, its score calibration (keyed by (id, regime)) and each
+    source's acceptance history (keyed by (id, source name, regime)): a draft that must equal
+    the argmax is accepted far less often than one kept with probability min(1, p/q), so what
+    sampled requests measured must not price a greedy one's drafts.
 
     An engine makes its own unless given one; a :class:`~specdecode.engine.loop.Decoder` gives
     every run the same, so one request after another starts from what the last ones measured
@@ -177,9 +181,9 @@ class PlannerMemory:
     def __init__(self) -> None:
         self.costs = ForwardCosts()
         self.read_rates: dict[int, float] = {}  # a proposer's measured seconds per context token it reads
-        self.calibrations: dict[int, ScoreCalibration] = {}  # what each proposer's draft scores are worth
+        self.calibrations: dict[tuple[int, str], ScoreCalibration] = {}  # what draft scores are worth
         self.draft_rates: dict[tuple[int, str], float] = {}  # a source's seconds per drafted token
-        self.acceptance: dict[tuple[int, str], AcceptanceHistory] = {}  # where a source's next request starts
+        self.acceptance: dict[tuple[int, str, str], AcceptanceHistory] = {}  # where a source's next request starts
         self.output_tokens: float | None = None  # tokens a finished request made (EMA), to spread reads over
 
 

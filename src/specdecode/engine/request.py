@@ -270,8 +270,22 @@ class Request:
 
     @property
     def source_key(self) -> tuple[int, str]:
-        """What an engine's memory files this round's source under: (proposer prototype, name)."""
+        """What an engine's memory files this round's source's draft speed under: (proposer
+        prototype, name)."""
         return id(self.spec.proposer), self.source.name
+
+    @property
+    def regime(self) -> str:
+        """ "greedy", or the sampling temperature ("T=0.7"): acceptance depends on it (a greedy
+        draft must equal the argmax, a sampled one is kept with probability min(1, p/q)), so
+        what requests measured is kept apart per regime."""
+        sampling = self.config.sampling
+        return "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
+
+    @property
+    def history_key(self) -> tuple[int, str, str]:
+        """What an engine's memory files this round's source's acceptance under."""
+        return id(self.spec.proposer), self.source.name, self.regime
 
     def policy_k(self, batch: int = 1) -> int:
         """This round's draft count by the request's own policy (told the step's ``batch``

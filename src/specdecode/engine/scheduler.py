@@ -287,7 +287,7 @@ class Engine:
         return Candidate(self._calibration(r).accept_by_position(scores), 0.0, len(scores))
 
     def _calibration(self, r: Request) -> ScoreCalibration:
-        return self.memory.calibrations.setdefault(id(r.spec.proposer), ScoreCalibration())
+        return self.memory.calibrations.setdefault((id(r.spec.proposer), r.regime), ScoreCalibration())
 
     def _setup_cost(self, r: Request, unpriced: set[int]) -> float:
         """This step's share of the context read a request pays before it drafts again (its
@@ -333,7 +333,7 @@ class Engine:
 
     def _start_from_history(self, r: Request) -> None:
         """A planned request's current source starts from what earlier requests measured of it."""
-        history = self.memory.acceptance.get(r.source_key) if r.spec.batch_planned else None
+        history = self.memory.acceptance.get(r.history_key) if r.spec.batch_planned else None
         if history is not None and history.estimates is not None:
             policy: PlannedPolicy = r.policy  # batch_planned: the policy is a PlannedPolicy
             policy.start_from(history.estimates)
@@ -346,7 +346,8 @@ class Engine:
         for name, state in r.sources.items():
             key = (id(r.spec.proposer), name)
             policy: PlannedPolicy = state.policy
-            self.memory.acceptance.setdefault(key, AcceptanceHistory()).observe(policy.estimates(), state.rounds)
+            history = self.memory.acceptance.setdefault((*key, r.regime), AcceptanceHistory())
+            history.observe(policy.estimates(), state.rounds)
             if state.drafted:
                 _fold(self.memory.draft_rates, key, state.draft_s / state.drafted)
 
