@@ -269,12 +269,6 @@ class Request:
         return self.current.policy
 
     @property
-    def source_key(self) -> tuple[int, str]:
-        """What an engine's memory files this round's source's draft speed under: (proposer
-        prototype, name)."""
-        return id(self.spec.proposer), self.source.name
-
-    @property
     def regime(self) -> str:
         """ "greedy", or the sampling temperature ("T=0.7"): acceptance depends on it (a greedy
         draft must equal the argmax, a sampled one is kept with probability min(1, p/q)), so
@@ -282,10 +276,14 @@ class Request:
         sampling = self.config.sampling
         return "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
 
-    @property
-    def history_key(self) -> tuple[int, str, str]:
-        """What an engine's memory files this round's source's acceptance under."""
-        return id(self.spec.proposer), self.source.name, self.regime
+    def speed_key(self, name: str | None = None) -> tuple[int, str]:
+        """What an engine's memory files a source's draft speed under (default: this round's
+        source): (proposer prototype, source name)."""
+        return id(self.spec.proposer), self.source.name if name is None else name
+
+    def history_key(self, name: str | None = None) -> tuple[int, str, str]:
+        """What an engine's memory files a source's acceptance under: its speed key and the regime."""
+        return (*self.speed_key(name), self.regime)
 
     def policy_k(self, batch: int = 1) -> int:
         """This round's draft count by the request's own policy (told the step's ``batch``
@@ -297,10 +295,16 @@ class Request:
     def clip(self, k: int) -> int:
         return max(0, min(k, self.config.max_new_tokens - self.output.count - 1))
 
+    @property
+    def _reads_context(self) -> bool:
+        """The proposer reads the committed context before this round's source drafts."""
+        p = self.proposer
+        return p is not None and p.caps.catches_up and self.source.catches_up
+
     def unread(self) -> int:
         """Committed tokens the proposer has not read (a draft model's prompt, rounds at k = 0)
         and would read in ``catch_up`` before drafting; 0 for proposers that read nothing."""
-        if self.proposer is None or not self.proposer.caps.catches_up or not self.source.catches_up:
+        if not self._reads_context:
             return 0
         n = len(self.context) - self.read_upto
         if n <= ROUND_FEED:  # a drafting round's own leftovers go with the round
@@ -311,8 +315,7 @@ class Request:
         """Before a round that drafts (or shadow-drafts): the proposer reads the context it has
         not seen (a draft model's prompt), timed as prefill since it is prompt work, not drafting.
         Returns (tokens it had not read, seconds) for the engine's price of such reads."""
-        p = self.proposer
-        if p is None or not p.caps.catches_up or not self.source.catches_up or (self.k == 0 and self.shadow is None):
+        if not self._reads_context or (self.k == 0 and self.shadow is None):
             return 0, 0.0
         n, t = self.unread(), time.perf_counter()
         self.proposer.catch_up(self.context)

@@ -328,12 +328,12 @@ class Engine:
         state = r.current
         if state.drafted:
             return state.draft_s / state.drafted
-        rate = self.memory.draft_rates.get(r.source_key)
+        rate = self.memory.draft_rates.get(r.speed_key())
         return rate if rate is not None else 0.05 * self.memory.costs(1)
 
     def _start_from_history(self, r: Request) -> None:
         """A planned request's current source starts from what earlier requests measured of it."""
-        history = self.memory.acceptance.get(r.history_key) if r.spec.batch_planned else None
+        history = self.memory.acceptance.get(r.history_key()) if r.spec.batch_planned else None
         if history is not None and history.estimates is not None:
             policy: PlannedPolicy = r.policy  # batch_planned: the policy is a PlannedPolicy
             policy.start_from(history.estimates)
@@ -344,12 +344,11 @@ class Engine:
         if not r.spec.batch_planned:
             return
         for name, state in r.sources.items():
-            key = (id(r.spec.proposer), name)
             policy: PlannedPolicy = state.policy
-            history = self.memory.acceptance.setdefault((*key, r.regime), AcceptanceHistory())
+            history = self.memory.acceptance.setdefault(r.history_key(name), AcceptanceHistory())
             history.observe(policy.estimates(), state.rounds)
             if state.drafted:
-                _fold(self.memory.draft_rates, key, state.draft_s / state.drafted)
+                _fold(self.memory.draft_rates, r.speed_key(name), state.draft_s / state.drafted)
 
     def _propose(self, decoding: list[Request]) -> None:
         """Draft every request's candidates; a proposer that declares batched drafting gets all of
@@ -427,9 +426,7 @@ class Engine:
 
     def _close(self, r: Request) -> None:
         if not r.cancelled:
-            old = self.memory.output_tokens
-            n = float(r.output.count)
-            self.memory.output_tokens = n if old is None else 0.7 * old + 0.3 * n
+            self.memory.output_tokens = _blend(self.memory.output_tokens, float(r.output.count))
         self._remember(r)
         r.finish()
         r.free()
@@ -447,10 +444,14 @@ class Engine:
         return {b: total / n for b, (total, n) in sorted(sums.items())}
 
 
+def _blend(old: float | None, new: float) -> float:
+    """A running figure of the engine's memory: 30% the newest measurement."""
+    return new if old is None else 0.7 * old + 0.3 * new
+
+
 def _fold(rates: dict[Any, float], key: Any, rate: float) -> None:
-    """A proposer's running rate (seconds per token): 30% the newest measurement."""
-    old = rates.get(key)
-    rates[key] = rate if old is None else 0.7 * old + 0.3 * rate
+    """A proposer's running rate (seconds per token), by :func:`_blend`."""
+    rates[key] = _blend(rates.get(key), rate)
 
 
 __all__ = ["Engine", "EngineConfig", "StepRecord", "WAITING", "PREFILL", "RUNNING", "DONE"]

@@ -61,7 +61,6 @@ class HybridProposer(PerRequest):
             catches_up=inner.catches_up,
         )
         self.rounds = {"lookup": 0, "drafter": 0, "short": 0}  # which source drafted, in this request
-        self.drafted = dict.fromkeys(self.rounds, 0)  # and how many tokens
         self._source = "drafter"
         self._target_cache: object | None = None
         self._named: tuple[int, Draft, Draft | None] | None = None  # (context length, lookup, weak) of ``source``
@@ -75,7 +74,6 @@ class HybridProposer(PerRequest):
         self.suffix = None if self.suffix is None else self.suffix.start(prompt_ids)
         self._target_cache = None
         self.rounds = dict.fromkeys(self.rounds, 0)
-        self.drafted = dict.fromkeys(self.rounds, 0)
         self._source = "drafter"
         self._named = None
 
@@ -85,7 +83,7 @@ class HybridProposer(PerRequest):
             self.suffix.finish(context)  # the output joins the suffix corpus
 
     def stats(self) -> dict:
-        return {"hybrid_rounds": dict(self.rounds), "hybrid_drafted": dict(self.drafted), **self.drafter.stats()}
+        return {"hybrid_rounds": dict(self.rounds), **self.drafter.stats()}
 
     def catch_up(self, context: list[int]) -> None:
         self.drafter.catch_up(context)
@@ -100,16 +98,16 @@ class HybridProposer(PerRequest):
         """A lookup round when the lookup has its evidence (see ``_lookup``) for up to ``k``
         drafts, else the drafter's. The next ``propose`` on this context drafts from the source
         named here (the lookup's drafts, cut to the k the engine chose)."""
-        found, weak = self._lookup(context, k) if k > 0 else (Draft.empty(), None)
-        self._named = (len(context), found, weak)
-        return LOOKUP if found.k else DRAFTER
+        if self._named is None or self._named[0] != len(context):  # not named yet for this context
+            self._named = (len(context), *self._lookup_or_empty(context, k))
+        return LOOKUP if self._named[1].k else DRAFTER
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         named, self._named = self._named, None
         if named is not None and named[0] == len(context):  # the source named for this round
             found, weak = named[1].prefix(k), None if named[2] is None else named[2].prefix(k)
         else:
-            found, weak = self._lookup(context, k) if k > 0 else (Draft.empty(), None)
+            found, weak = self._lookup_or_empty(context, k)
         if found.k:
             return self._count("lookup", found)
         draft = self.drafter.propose(context, k, sampling, generator)
@@ -117,6 +115,9 @@ class HybridProposer(PerRequest):
             return self._count("drafter", draft)
         short = weak if weak is not None else self._short_ngram(context, k)  # the drafter drafted nothing
         return self._count("short", short) if short.k else self._count("drafter", draft)
+
+    def _lookup_or_empty(self, context: list[int], k: int) -> tuple[Draft, Draft | None]:
+        return self._lookup(context, k) if k > 0 else (Draft.empty(), None)
 
     def _lookup(self, context: list[int], k: int) -> tuple[Draft, Draft | None]:
         """(a lookup draft with at least ``min_match`` tokens of evidence behind it, else empty;
@@ -132,7 +133,6 @@ class HybridProposer(PerRequest):
     def _count(self, source: str, draft: Draft) -> Draft:
         self._source = source
         self.rounds[source] += 1
-        self.drafted[source] += draft.k
         return draft
 
     def observe(self, num_accepted: int) -> None:
