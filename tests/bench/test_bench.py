@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 import subprocess
 from pathlib import Path
 
@@ -364,6 +365,37 @@ def test_a_composite_proposers_sources_are_reported(models, tmp_path):
     assert overall["ngram|k=2|T=0"]["sources"] is None
     assert "Drafting rounds by source" in stdout and "hybrid k=2: lookup" in stdout
     assert "## Sources" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_each_cell_drafts_from_a_corpus_of_its_own(models, tmp_path, monkeypatch):
+    """A suffix cell at T=0.7 must not copy the greedy cell's answer to the same prompt: every
+    cell (method, k and temperature) gets its own generator, so its own corpus and planner memory."""
+    import specdecode.api as api
+
+    made: list = []
+
+    class Recorded(api.SpeculativeGenerator):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(api, "SpeculativeGenerator", Recorded)
+    workload = write_jsonl(tmp_path / "w.jsonl", WORKLOAD)
+    argv = ["bench", "--workload", str(workload), "--out", str(tmp_path / "out"), "--target", str(models / "target")]
+    argv += ["--methods", "none,suffix", "--k", "2", "--temperatures", "0,0.7", "--max-new-tokens", "8", "--no-hf"]
+    rc, _, stderr = run_cli(argv)
+    assert rc == 0, stderr
+    outputs: dict[float, list[tuple[int, ...]]] = {}
+    for r in map(json.loads, (tmp_path / "out" / "cells.jsonl").read_text().splitlines()):
+        if r.get("method") == "suffix":
+            outputs.setdefault(r["temperature"], []).append(tuple(r["token_ids"]))
+    corpora = [Counter(map(tuple, g.decoder.proposer.corpus.docs)) for g in made if g.method == "suffix"]
+    assert len(corpora) == 2 and set(outputs) == {0.0, 0.7}
+    for corpus, temperature in zip(corpora, sorted(outputs)):  # cells are built in temperature order
+        own = Counter(outputs[temperature])
+        assert not own - corpus  # every output of its own cell
+        extra = list((corpus - own).elements())
+        assert len(extra) <= 1 and all(len(doc) <= 4 for doc in extra)  # and the warm-up run only
 
 
 def test_humaneval_is_a_named_workload():
