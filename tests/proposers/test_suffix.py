@@ -10,7 +10,7 @@ from helpers import ALPHA, MarkovLM, chi_square_pvalue, no_residual_verify, samp
 from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, GenerationConfig
 from specdecode.errors import ConfigError
-from specdecode.proposers.suffix import SuffixAutomaton, SuffixCorpus, SuffixProposer
+from specdecode.proposers.suffix import SuffixAutomaton, SuffixCorpus, SuffixProposer, token_score
 
 GREEDY = SamplingConfig()
 
@@ -79,10 +79,23 @@ def test_most_frequent_continuation_is_chosen():
     # after [9, 1]: 3 three times, 4 once (the longer [6, 9, 1] match does not exist earlier)
     draft = local().propose(ctx, 4, GREEDY, None)
     assert draft.tokens[0, 0].item() == 3 and draft.probs is None
-    # scored by the rule of succession: 3 of the 4 continuations seen, (3 + 1) / (4 + 2)
-    assert draft.scores is not None and draft.scores[0, 0].item() == pytest.approx(4 / 6)
+    # scored by the 2-token match and the frequency: 2 / (2 + 2) times 3 of the 4 continuations
+    assert draft.scores is not None and draft.scores[0, 0].item() == pytest.approx(2 / 4 * 3 / 4)
     assert local().caps.scored_drafts and not local(scored=False).caps.scored_drafts
     assert SuffixProposer.caps.scored_drafts  # the option changes the instance, not the class
+
+
+def test_a_longer_match_scores_its_drafts_higher():
+    """A token that followed a long matched passage is more likely right than one that followed a
+    short common phrase the same number of times; each draft deeper in the chain extends the
+    match by one more token."""
+    short = local().propose([7, 8, 5, 3, 9, 5, 3], 2, GREEDY, None)  # [5, 3] matched, then 9
+    long = local().propose([1, 2, 4, 6, 5, 3, 9, 0, 1, 2, 4, 6, 5, 3], 2, GREEDY, None)  # 6 matched
+    assert short.tokens[0, 0].item() == 9 and long.tokens[0, 0].item() == 9
+    assert short.scores[0, 0].item() == pytest.approx(token_score(2, 1, 1)) == pytest.approx(0.5)
+    assert long.scores[0, 0].item() == pytest.approx(token_score(6, 1, 1)) == pytest.approx(0.75)
+    assert long.scores[0, 1].item() == pytest.approx(token_score(7, 1, 1))  # 0 after 7 matched
+    assert token_score(30, 1, 4) < token_score(30, 4, 4)  # and the frequency still counts
 
 
 def test_low_probability_path_stops_the_draft():

@@ -154,13 +154,31 @@ class SuffixCorpus:
             self.automaton = SuffixAutomaton(self.count_depth)
 
 
+def token_score(context: int, count: int, total: int) -> float:
+    """A draft token's chance of being right, given the drafts before it were: ``count`` of the
+    ``total`` times the matched context (``context`` tokens long, the drafts before it included)
+    went on, it went on with this token.
+
+    The length of the match is the stronger signal: a context matched over a few tokens is a
+    common phrase that goes on many ways, one matched over dozens is a passage being copied.
+    On HumanEval with the Qwen2.5-Coder 1.5B (20 prompts, 128 tokens, k=8; 3,860 judged drafts)
+    a first draft was accepted 20% of the time after a 1-token match, 55% after 3-4, 93% after
+    9-16 and 99% beyond; the frequency alone, by the rule of succession, ranked them backwards
+    (one sighting 68%, several unanimous ones 25%: those are the short matches). Scored
+    ``m / (m + 2)`` times the frequency, binned and calibrated the way the engine does, the
+    drafts' log loss fell from 0.39 to 0.24 nats.
+    """
+    return context / (context + 2) * count / total
+
+
 class SuffixProposer(PerRequest):
     """Suffix decoding: continue the longest matched suffix along its most frequent tokens.
 
     At most ``min(k, ceil(max_spec_factor * match_length))`` tokens are drafted (match length
     capped at ``max_depth``), stopping when the path's empirical probability (product of
-    next-token frequencies) falls below ``min_token_prob``. Each draft carries a score (how often
-    it followed, by the rule of succession) so a planned k can cut the unsure ones after drafting
+    next-token frequencies) falls below ``min_token_prob``. Each draft carries a score (from how
+    long the matched context is and how often the token followed it: :func:`token_score`) so a
+    planned k can cut the unsure ones after drafting
     (``scored=False``: k is planned from measured acceptance before drafting, as for any
     proposer). With ``use_corpus`` a request's output
     joins ``corpus`` when it finishes. The corpus belongs to this proposer (so to the engine that
@@ -243,10 +261,11 @@ class SuffixProposer(PerRequest):
     def _max_len(self, k: int, matched: int) -> int:
         return min(k, math.ceil(self.max_spec_factor * min(matched, self.max_depth)))
 
-    def _chain(self, sam: SuffixAutomaton, state: int, limit: int) -> tuple[list[int], float, list[float]]:
+    def _chain(
+        self, sam: SuffixAutomaton, state: int, limit: int, matched: int
+    ) -> tuple[list[int], float, list[float]]:
         """Greedy most-frequent walk: the path, its score (sum of path probabilities) and each
-        token's chance of being right after the ones before it, by the rule of succession over
-        how often it followed (c + 1) / (n + 2): one sighting says less than twenty."""
+        token's chance of being right after the ones before it (:func:`token_score`)."""
         path, prob, score, sure = [], 1.0, 0.0, []
         while len(path) < limit:
             kids = sam.children(state)
@@ -257,8 +276,8 @@ class SuffixProposer(PerRequest):
             prob *= c / total
             if prob < self.min_token_prob:
                 break
+            sure.append(token_score(matched + len(path), c, total))
             path.append(token)
-            sure.append((c + 1) / (total + 2))
             score += prob
             state = child
         return path, score, sure
@@ -267,7 +286,7 @@ class SuffixProposer(PerRequest):
         best, best_key = None, None
         for sam, state, matched in self._sources():
             limit = self._max_len(k, matched)
-            path, score, sure = self._chain(sam, state, limit)
+            path, score, sure = self._chain(sam, state, limit, matched)
             key = (score, matched)
             if path and (best_key is None or key > best_key):
                 best, best_key = (sam, state, limit, path, sure), key
