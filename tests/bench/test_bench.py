@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections import Counter
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
