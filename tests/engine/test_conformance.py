@@ -87,6 +87,7 @@ def test_hybrid_with_k_planned_per_source_is_exact():
     for n in (1, 200):  # a flat curve of slow forwards, so both sources draft at varied k
         decoder.memory.costs.observe(n, 1.0 + 0.0001 * n)
     decoder.memory.costs.ema = 0.0
+    decoder.memory.costs.forget_after = 1 << 30  # nor forget it
     prompt = [1, 2, 3, 4, 0, 1, 2]  # its tail repeats: the first round looks up, later ones draft
     counts = sample_sequences(decoder, prompt, 3, sampling, N_SAMPLES)
     assert chi_square_pvalue(counts, sequence_law(target, prompt, 3, sampling)) > ALPHA

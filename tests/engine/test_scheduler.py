@@ -375,6 +375,7 @@ def test_auto_k_switches_off_as_the_batch_grows():
         engine.memory.costs.observe(n, 0.01 * n)
     engine.memory.costs.observe(600, 6.0)
     engine.memory.costs.ema = 0.0  # keep it: this test is about the planner's use of the curve
+    engine.memory.costs.forget_after = 1 << 30  # nor forget it
     spec = Speculation(NgramProposer(), policy=make_policy("auto", 4))
     for i in range(48):
         engine.submit([1, 2, 3, 1, 2, 3, 1, 2], GenerationConfig(max_new_tokens=12, seed=i), spec)
@@ -396,6 +397,7 @@ def test_a_draft_model_kept_off_by_the_planner_never_reads_a_prompt():
         engine.memory.costs.observe(n, 0.01 * n)
     engine.memory.costs.observe(600, 6.0)
     engine.memory.costs.ema = 0.0
+    engine.memory.costs.forget_after = 1 << 30  # nor forget it
     spec = Speculation(DraftModelProposer(draft), policy=make_policy("auto", 4))
     ps = [[1, 2, 3, 1, 2, 3, 1, 2]] * 48
     out = engine.generate(ps, GenerationConfig(max_new_tokens=6), spec)
@@ -484,6 +486,7 @@ def _steep_engine(target, max_batch: int = 1) -> Engine:
     for n in range(1, 129):
         engine.memory.costs.observe(n, 0.01 + 0.002 * (n - 1))
     engine.memory.costs.ema = 0.0
+    engine.memory.costs.forget_after = 1 << 30  # nor forget it
     return engine
 
 
@@ -519,6 +522,28 @@ def test_free_scored_drafts_are_made_first_and_only_the_sure_prefix_is_verified(
     assert engine.memory.calibrations[(id(spec.proposer), "greedy")].judged != [0.0] * 10  # and learnt from it
 
 
+def test_one_slow_forward_does_not_price_drafts_out_for_good():
+    """A hiccup measured at 2 rows makes every draft look dear, and rows the planner never uses
+    are never measured again; the count is forgotten after ``forget_after`` forwards, so the
+    request drafts again (and its tokens stay exactly plain greedy decoding's)."""
+    target = tiny_native(vocab=8, seed=5, layers=2)
+    table = torch.randn(8, 8, 8, generator=torch.Generator().manual_seed(3)) * 3.0
+    spec = Speculation(ScoredMarkovDraft(table), policy=make_policy("auto", 6))
+    engine = Engine(target)
+    engine.memory.costs.forget_after = 32
+    engine.memory.costs.observe(1, 0.001)
+    engine.memory.costs.observe(2, 10.0)  # one slow 2-row forward
+    request = engine.submit([1, 2, 3, 4], GenerationConfig(max_new_tokens=80), spec)
+    ks = []
+    while engine.busy:
+        engine.step()
+        if request.status == RUNNING:
+            ks.append(request.k)
+    assert request.result.token_ids == alone(target, [1, 2, 3, 4], 80)
+    assert ks[:30] == [0] * 30 and any(ks[48:])  # priced out, then forgotten and drafting again
+    assert engine.memory.costs(2) < 1.0  # measured again
+
+
 def test_a_decoders_runs_share_what_the_planner_learnt():
     """One Decoder, one request after another: every run's engine has the decoder's memory, so
     the second request plans on the first one's measured costs and calibration (not priors);
@@ -547,6 +572,7 @@ def test_a_proposers_next_request_starts_from_what_its_last_ones_measured():
     for n in (1, 200):  # a fixed flat curve of slow forwards: drafting always pays, whatever the load
         engine.memory.costs.observe(n, 1.0 + 0.0001 * n)
     engine.memory.costs.ema = 0.0
+    engine.memory.costs.forget_after = 1 << 30  # nor forget it
     first = engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=24), spec)[0]
     assert first.token_ids == alone(target, [1, 2, 3], 24)
     key = (id(spec.proposer), "")  # a draft model drafts from one source
@@ -597,6 +623,7 @@ def test_a_composite_proposer_is_planned_source_by_source():
     for n in (1, 200):  # a flat curve of slow forwards: drafting pays wherever it is accepted
         engine.memory.costs.observe(n, 1.0 + 0.0001 * n)
     engine.memory.costs.ema = 0.0
+    engine.memory.costs.forget_after = 1 << 30  # nor forget it
     prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2] * 2
     result = engine.generate([prompt], GenerationConfig(max_new_tokens=40), spec)[0]
     assert result.token_ids == alone(target, prompt, 40)
@@ -622,6 +649,7 @@ def test_a_source_that_does_not_pay_stays_off_while_another_drafts():
     for n in (1, 200):
         engine.memory.costs.observe(n, 1.0 + 0.0001 * n)
     engine.memory.costs.ema = 0.0
+    engine.memory.costs.forget_after = 1 << 30  # nor forget it
     engine.memory.draft_rates[(id(proposer), "drafter")] = 10.0  # seconds a token: ten forwards
     spec = Speculation(proposer, policy=make_policy("auto", 4))
     prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2] * 2

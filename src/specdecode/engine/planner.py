@@ -29,22 +29,40 @@ class ForwardCosts:
     """Seconds of one target forward over n rows: an EMA per row count, linear in between and
     beyond (least-squares slope, never negative); before any measurement, a flat prior curve.
 
+    A row count not measured in the last ``forget_after`` forwards is forgotten. Measurements
+    are taken only at the row counts the planner chooses, so without this one slow forward (a
+    hiccup, a first call's set-up) at 2 rows could price every draft out for good: the planner
+    would never use 2 rows again, and so never measure them again. Forgotten, the count is
+    priced from its neighbours or the prior, and measured again when next used.
+
     The planner asks for many row counts every step, so the measured counts are kept sorted and
     the slope is refitted only when a measurement arrives.
     """
 
-    def __init__(self, ema: float = 0.3, prior_slope: float = 0.02) -> None:
-        self.ema, self.prior_slope = ema, prior_slope
+    def __init__(self, ema: float = 0.3, prior_slope: float = 0.02, forget_after: int = 256) -> None:
+        self.ema, self.prior_slope, self.forget_after = ema, prior_slope, forget_after
         self.points: dict[int, float] = {}
         self._xs: list[int] = []  # the keys of ``points``, ascending
         self._slope: float | None = None  # cached fit; None after a new measurement
+        self._forwards = 0  # forwards observed
+        self._last: dict[int, int] = {}  # row count -> the forward that last measured it
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.points.get(rows)
         if old is None:
             bisect.insort(self._xs, rows)
         self.points[rows] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        self._forwards += 1
+        self._last[rows] = self._forwards
         self._slope = None
+        if self._forwards % 16 == 0:  # cheap enough every step; every 16th is plenty
+            self._forget()
+
+    def _forget(self) -> None:
+        stale = [x for x in self._xs if self._forwards - self._last[x] > self.forget_after]
+        for x in stale:
+            del self.points[x], self._last[x]
+        self._xs = [x for x in self._xs if x in self.points]
 
     def __call__(self, rows: float) -> float:
         """Seconds of a forward over ``rows`` (the planner asks for expected, fractional counts)."""
