@@ -55,14 +55,17 @@ class ForwardCosts:
         self._forwards += 1
         self._last[rows] = self._forwards
         self._slope = None
-        if self._forwards % 16 == 0:  # cheap enough every step; every 16th is plenty
+        if self._forwards % 16 == 0:  # a scan of every count: often enough every 16th forward
             self._forget()
 
     def _forget(self) -> None:
-        stale = [x for x in self._xs if self._forwards - self._last[x] > self.forget_after]
-        for x in stale:
-            del self.points[x], self._last[x]
-        self._xs = [x for x in self._xs if x in self.points]
+        """Drop stale counts by swapping in new containers, the index first: a reader on another
+        thread reads ``points`` before ``_xs`` and so never meets a count its ``points`` lacks."""
+        keep = [x for x in self._xs if self._forwards - self._last.get(x, self._forwards) <= self.forget_after]
+        if len(keep) < len(self._xs):
+            self._xs = keep
+            self.points = {x: self.points[x] for x in keep if x in self.points}
+            self._last = {x: self._last.get(x, self._forwards) for x in keep}
 
     def __call__(self, rows: float) -> float:
         """Seconds of a forward over ``rows`` (the planner asks for expected, fractional counts)."""
@@ -87,10 +90,11 @@ class ForwardCosts:
         Fewer than two counts in the window: the curve's value and its overall slope.
         """
         lo, hi = min(rows / 2, rows - 8), max(2 * rows, rows + 8)
-        xs = self._xs[bisect.bisect_left(self._xs, lo) : bisect.bisect_right(self._xs, hi)]
+        pts, xs = self.points, self._xs  # in this order (see _forget)
+        xs = xs[bisect.bisect_left(xs, lo) : bisect.bisect_right(xs, hi)]
         if len(xs) < 2:
             return self(rows), self.slope()
-        ys = [self.points[x] for x in xs]
+        ys = [pts[x] for x in xs]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         var = sum((x - mx) ** 2 for x in xs)
         slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0)
@@ -103,13 +107,13 @@ class ForwardCosts:
         return self._slope
 
     def _fit(self) -> float:
-        xs = self._xs
+        pts, xs = self.points, self._xs  # in this order (see _forget)
+        ys = [pts[x] for x in xs]
         if len(xs) < 2:
-            return self.prior_slope * next(iter(self.points.values()), 1.0)
-        mx = sum(xs) / len(xs)
-        my = sum(self.points.values()) / len(xs)
+            return self.prior_slope * (ys[0] if ys else 1.0)
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         var = sum((x - mx) ** 2 for x in xs)
-        cov = sum((x - mx) * (self.points[x] - my) for x in xs)
+        cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
         return max(cov / var, 0.0)
 
 
