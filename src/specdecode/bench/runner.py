@@ -487,11 +487,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_bench(opts, items, list(sys.argv[1:] if argv is None else argv))
 
 
-def cell_sig(cell: Cell) -> tuple[str, int | str, float]:
-    """The key of a cell's own generator (its proposer, corpus and planner memory)."""
-    return (cell.method, cell.k, cell.temperature)
-
-
 def run_bench(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
     """Run every cell on every prompt (resuming from ``opts.out``), then write and print the report."""
     with contextlib.ExitStack() as servers:  # llama-server processes stop however the run ends
@@ -528,43 +523,36 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
         if cell.method == "hf" or cell.llama:
             cells.append(cell)
             continue
-        # One generator per cell: a proposer's corpus and the planner's memory are the cell's own
-        # (shared across temperatures, a suffix cell at T=0.7 copied the greedy cell's answer to
-        # the same prompt, and each cell's k was planned on the other's measurements).
-        sig = cell_sig(cell)
-        if sig not in gens:
-            try:
-                m = parse_method(cell.method)
-                gens[sig] = SpeculativeGenerator(
-                    target,
-                    method=m.base,
-                    k=cell.k if m.base != "none" else 1,
-                    draft=draft,
-                    tree=m.tree or None,
-                    **({"policy": "confidence", "confidence": opts.confidence} if m.conf else {}),
-                    **dict(m.options),
-                )
-            except (ConfigError, TypeError, ValueError) as exc:
-                gens[sig] = exc
-        if isinstance(gens[sig], Exception):
-            skipped_cells.append({**cell.to_dict(), "reason": str(gens[sig])})
+        # One generator per cell (the frozen Cell is its key): a proposer's corpus and the planner's
+        # memory are the cell's own (shared across temperatures, a suffix cell at T=0.7 copied the
+        # greedy cell's answer to the same prompt, and each cell's k was planned on the other's
+        # measurements).
+        try:
+            m = parse_method(cell.method)
+            gens[cell] = SpeculativeGenerator(
+                target,
+                method=m.base,
+                k=cell.k if m.base != "none" else 1,
+                draft=draft,
+                tree=m.tree or None,
+                **({"policy": "confidence", "confidence": opts.confidence} if m.conf else {}),
+                **dict(m.options),
+            )
+        except (ConfigError, TypeError, ValueError) as exc:
+            skipped_cells.append({**cell.to_dict(), "reason": str(exc)})
             continue
         cells.append(cell)
     for s in skipped_cells:
         console.print(f"[yellow]skipping {s['key']}: {s['reason']}[/yellow]")
     hybrid = next(
-        (
-            g.decoder.proposer.drafter.name
-            for (m, _, _), g in gens.items()
-            if base_method(m) == "hybrid" and not isinstance(g, Exception)
-        ),
+        (g.decoder.proposer.drafter.name for c, g in gens.items() if base_method(c.method) == "hybrid"),
         None,
     )
     loaded = (target.dtype, draft.dtype if draft else opts.draft_dtype)
     fp = fingerprint(opts, target.source, draft.source if draft else None, hybrid, loaded)
     hf_model = _hf_model(target, target.dtype) if any(c.method == "hf" for c in cells) else None
 
-    plain = next(g for (m, _, _), g in gens.items() if m == "none")
+    plain = next(g for c, g in gens.items() if c.method == "none")
     k_fixed = [k for k in opts.ks if isinstance(k, int)]
     kmax = max(k_fixed + ([AUTO_K_MAX] if "auto" in opts.ks else []) + [1])
     budget = int(target.model.max_length) - opts.max_new_tokens - kmax - 2
@@ -602,7 +590,7 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
             elif cell.llama:
                 llamas[cell.method].generate(warm_ids, 4, cell.temperature, 0)
             else:
-                gens[cell_sig(cell)].generate(warm_ids, max_new_tokens=4, temperature=cell.temperature, seed=0)
+                gens[cell].generate(warm_ids, max_new_tokens=4, temperature=cell.temperature, seed=0)
     with (
         open(store_path, "a", encoding="utf-8") as store,
         tqdm(total=len(todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar,
@@ -705,7 +693,7 @@ def _run_one(
         stats.update(method=cell.method, k=cell.k)
         finish = None
     else:
-        out = gens[cell_sig(cell)].generate(
+        out = gens[cell].generate(
             prompt["ids"], max_new_tokens=opts.max_new_tokens, temperature=cell.temperature, seed=seed
         )
         token_ids, stats, finish = list(out.token_ids), dict(out.stats), out.finish_reason

@@ -94,10 +94,7 @@ class ForwardCosts:
         xs = xs[bisect.bisect_left(xs, lo) : bisect.bisect_right(xs, hi)]
         if len(xs) < 2:
             return self(rows), self.slope()
-        ys = [pts[x] for x in xs]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0)
+        mx, my, slope = _line(xs, [pts[x] for x in xs])
         return max(my + slope * (rows - mx), 1e-9), slope
 
     def slope(self) -> float:
@@ -111,10 +108,14 @@ class ForwardCosts:
         ys = [pts[x] for x in xs]
         if len(xs) < 2:
             return self.prior_slope * (ys[0] if ys else 1.0)
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-        return max(cov / var, 0.0)
+        return _line(xs, ys)[2]
+
+
+def _line(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, float, float]:
+    """(mean x, mean y, least-squares slope never below 0) of two or more distinct counts."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return mx, my, max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0)
 
 
 class ScoreCalibration:

@@ -9,6 +9,7 @@ and hands back that row's logits (``absorb``): accept, trim, emit.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -268,7 +269,7 @@ class Request:
         """The k policy of this round's source."""
         return self.current.policy
 
-    @property
+    @functools.cached_property
     def regime(self) -> str:
         """ "greedy", or the sampling temperature ("T=0.7"): acceptance depends on it (a greedy
         draft must equal the argmax, a sampled one is kept with probability min(1, p/q)), so

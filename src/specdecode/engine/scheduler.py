@@ -287,7 +287,9 @@ class Engine:
         return Candidate(self._calibration(r).accept_by_position(scores), 0.0, len(scores))
 
     def _calibration(self, r: Request) -> ScoreCalibration:
-        return self.memory.calibrations.setdefault((id(r.spec.proposer), r.regime), ScoreCalibration())
+        key = (id(r.spec.proposer), r.regime)  # asked twice a step: no new calibration unless missing
+        cal = self.memory.calibrations.get(key)
+        return cal if cal is not None else self.memory.calibrations.setdefault(key, ScoreCalibration())
 
     def _setup_cost(self, r: Request, unpriced: set[int]) -> float:
         """This step's share of the context read a request pays before it drafts again (its
