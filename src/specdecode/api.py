@@ -228,6 +228,7 @@ class SpeculativeGenerator:
         shadow: bool = False,
         tree: bool | None = None,
         max_nodes: int = 16,
+        prefix_cache_mb: int = EngineConfig.prefix_cache_mb,
         **proposer_options: Any,
     ) -> None:
         """``method="auto"`` runs the best drafter shipped for the target (:func:`best_method`) with
@@ -238,7 +239,8 @@ class SpeculativeGenerator:
         gives less than ``confidence``, default 0.5) or auto. ``shadow=True`` decodes plainly and
         records the acceptance the method would have had. ``tree=True`` verifies several candidate
         branches per round in one masked forward (native backend); ``None`` uses trees only for
-        methods that need them (lookahead).
+        methods that need them (lookahead). ``prefix_cache_mb`` bounds the stored prompt prefixes
+        that later prompts starting the same way reuse instead of prefilling (0: off).
         """
         self.target = target if isinstance(target, LoadedModel) else load_model(target)
         self.spec = resolve_speculation(
@@ -255,6 +257,7 @@ class SpeculativeGenerator:
             **proposer_options,
         )
         self.method, self.k = self.spec.method, self.spec.k_max
+        self.prefix_cache_mb = prefix_cache_mb
         self.decoder = Decoder(
             self.target.model,
             self.spec.proposer,
@@ -264,6 +267,7 @@ class SpeculativeGenerator:
             tree=self.spec.tree,
             eos_token_ids=self.target.eos_token_ids,
             tokenizer=self.target.tokenizer,
+            prefix_cache_mb=prefix_cache_mb,
         )
 
     def encode(self, prompt: str | list[int], chat: bool | None = None) -> list[int]:
@@ -285,7 +289,7 @@ class SpeculativeGenerator:
         """Many prompts in one batched engine with this generator's settings (same arguments as
         :meth:`generate`); each result is exactly what :meth:`generate` gives that prompt alone."""
         prepared = [self._prepare(p, **kwargs) for p in prompts]
-        engine = self.decoder.engine(EngineConfig(max_batch=max_batch))
+        engine = self.decoder.engine(EngineConfig(max_batch=max_batch, prefix_cache_mb=self.prefix_cache_mb))
         return engine.generate([ids for ids, _ in prepared], [cfg for _, cfg in prepared], self.decoder.spec)
 
     def stream(self, prompt: str | list[int], **kwargs: Any) -> Iterator[str]:

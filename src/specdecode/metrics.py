@@ -23,6 +23,7 @@ class RequestMetrics:
     policy: str = "fixed"
     k_history: list[int] = field(default_factory=list)  # drafts requested per round
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt positions taken from the prefix cache, not prefilled
     new_tokens: int = 0
     target_calls: int = 0  # verification forwards (prefill not counted)
     drafted_tokens: int = 0
@@ -62,6 +63,7 @@ class RequestMetrics:
             "policy": self.policy,
             "k_history": list(self.k_history),
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "target_calls": self.target_calls,
             "target_calls_per_token": _ratio(self.target_calls, self.new_tokens),

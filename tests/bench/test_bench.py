@@ -12,7 +12,7 @@ import pytest
 
 from helpers import run_cli, save_tiny_llama
 from specdecode.bench.workload import load_workload, select
-from specdecode.errors import InputError
+from specdecode.errors import ConfigError, InputError
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 WORKLOAD = [
@@ -326,6 +326,16 @@ def test_conf_methods_parse_and_enter_the_fingerprint():
     assert fingerprint(opts, "t", None) != fingerprint(other, "t", None)
 
 
+def test_the_prefix_cache_size_is_an_option_and_enters_the_fingerprint():
+    from specdecode.bench.runner import fingerprint, parse_options
+
+    on, off = parse_options(["--out", "x"]), parse_options(["--out", "x", "--prefix-cache-mb", "0"])
+    assert (on.prefix_cache_mb, off.prefix_cache_mb) == (256, 0)
+    assert fingerprint(on, "t", None) != fingerprint(off, "t", None)
+    with pytest.raises(ConfigError, match="--prefix-cache-mb"):
+        parse_options(["--out", "x", "--prefix-cache-mb", "-1"])
+
+
 def test_methods_take_proposer_options_per_cell(models, tmp_path):
     """``METHOD:name=value`` builds that cell's proposer with the option, beside the same method
     with its defaults, under its own cell key (what a resumed run matches records by)."""
@@ -469,7 +479,8 @@ def test_bench_runs_llama_cpp_beside_ours_on_the_same_gguf_and_ids(tmp_path, mon
     bodies = [json.loads(line) for line in log.read_text().splitlines()]
     assert {b["draft"] for b in bodies} == {None, gguf} and {b["k"] for b in bodies if b["draft"]} == {3}
     for b in bodies:
-        assert all(isinstance(t, int) for t in b["prompt"]) and b["cache_prompt"] is False
+        # llama.cpp reuses a prompt's start as our prefix cache does (on by default)
+        assert all(isinstance(t, int) for t in b["prompt"]) and b["cache_prompt"] is True
         assert (b["min_p"], b["top_p"], b["top_k"]) == (0.0, 1.0, 0 if b["temperature"] > 0 else 1)
     for pid in {b["pid"] for b in bodies}:  # both servers stopped with the run
         with pytest.raises(ProcessLookupError):

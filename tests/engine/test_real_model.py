@@ -98,3 +98,28 @@ def test_more_methods_greedy_identical_on_real_prompts(target, plain_outputs, me
     gen = SpeculativeGenerator(target, method=method, k=4, tree=tree, max_nodes=12)
     for prompt, expected in zip(PROMPTS, plain_outputs):
         assert gen.decoder.generate(chat_ids(target, prompt), CFG).token_ids == expected, (method, prompt)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "w4a8"])
+def test_prefix_cache_keeps_real_outputs_identical(dtype):
+    """Chat prompts share the template's system prompt; the second turn of a conversation
+    shares the first. Stored prefixes change no token, plain or speculative."""
+    from specdecode.models import int8dot
+
+    if dtype == "w4a8" and not int8dot.available():
+        pytest.skip("w4a8 needs the int8dot kernels")
+    loaded = default_target(dtype=dtype)
+    eos = loaded.eos_token_ids
+    prompts = [chat_ids(loaded, p) for p in PROMPTS[:4]]
+    first = prompts[0]
+    for proposer in (None, NgramProposer()):
+        cold = Decoder(loaded.model, proposer, k=4, eos_token_ids=eos, prefix_cache_mb=0)
+        warm = Decoder(loaded.model, proposer, k=4, eos_token_ids=eos)
+        expected = [cold.generate(ids, CFG).token_ids for ids in prompts]
+        outs = [warm.generate(ids, CFG) for ids in prompts]
+        assert [o.token_ids for o in outs] == expected
+        assert all(o.stats["cached_tokens"] >= 16 for o in outs[1:])
+        turn = first + expected[0] + prompts[1][len(first) // 2 :]  # a second turn continues the first
+        again = warm.generate(turn, CFG)
+        assert again.token_ids == cold.generate(turn, CFG).token_ids
+        assert again.stats["cached_tokens"] >= (len(first) - 1) // 16 * 16

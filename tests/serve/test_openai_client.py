@@ -148,3 +148,31 @@ def test_logprobs_are_the_targets_own(server):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == legacy.choices[0].text or len(lp.tokens) == 5
     assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_a_shared_system_prompt_is_served_from_the_prefix_cache(tiny_loaded):
+    """The second conversation starting with the same system prompt reuses its prefill: usage
+    says how many prompt tokens came from the cache (OpenAI's ``prompt_tokens_details``), the
+    metrics count them, and the answers are what a cold generator gives."""
+    from serving import metric, start_server
+
+    system = {"role": "system", "content": "You answer in lists of words, lower case, no punctuation at all."}
+    asks = [[system, {"role": "user", "content": text}] for text in ("colours?", "fruits, please")]
+    live = start_server(tiny_loaded, method="ngram")
+    try:
+        client = openai_client(live)
+        outs = [client.chat.completions.create(model="tiny", messages=m, max_tokens=12, temperature=0) for m in asks]
+        first, second = (o.usage.prompt_tokens_details for o in outs)
+        assert first is None or not first.cached_tokens
+        assert second.cached_tokens >= 64 and second.cached_tokens % 16 == 0
+        assert metric(live, "prefix_cache_hits_total") == second.cached_tokens
+        assert metric(live, "prefix_cache_queries_total") == sum(o.usage.prompt_tokens for o in outs)
+    finally:
+        live.stop()
+    cold = SpeculativeGenerator(tiny_loaded, method="none", prefix_cache_mb=0)
+    tok = tiny_loaded.tokenizer
+    for out, messages in zip(outs, asks):
+        ids = list(
+            tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        )
+        assert out.choices[0].message.content == cold.generate(ids, max_new_tokens=12).text

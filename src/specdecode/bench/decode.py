@@ -142,7 +142,7 @@ def native_runner(model: Any) -> Runner:
     """Plain greedy decoding through the engine; no EOS ids, so exactly ``n`` tokens."""
     from specdecode.engine import Decoder, GenerationConfig
 
-    decoder = Decoder(model, None, eos_token_ids=())
+    decoder = Decoder(model, None, eos_token_ids=(), prefix_cache_mb=0)  # every run prefills its prompt
 
     def run(ids: list[int], n: int) -> list[int]:
         return decoder.generate(ids, GenerationConfig(max_new_tokens=n)).token_ids
@@ -243,7 +243,9 @@ def batch_throughput(
     out = {}
     for size in sizes:
         t = time.perf_counter()
-        results = Engine(model, config=EngineConfig(max_batch=size)).generate(ids, GenerationConfig(max_new_tokens=n))
+        results = Engine(model, config=EngineConfig(max_batch=size, prefix_cache_mb=0)).generate(
+            ids, GenerationConfig(max_new_tokens=n)
+        )
         out[size] = sum(len(r.token_ids) for r in results) / (time.perf_counter() - t)
     return out
 

@@ -3,7 +3,8 @@ its own draft-model speculation on the same GGUF files, fed the same prompt toke
 
 Each is a ``llama-server`` (one slot, ``--threads`` as ours, AMX as built) started once on a free
 loopback port and asked one streaming ``POST /completion`` per prompt, interleaved with our cells:
-``cache_prompt`` off (every prompt is prefilled, as ours are), greedy as temperature 0, sampling
+``cache_prompt`` as our prefix cache (on: a prompt reuses the common start of the one before;
+off: every prompt is prefilled), greedy as temperature 0, sampling
 with every other sampler disabled (top-k 0, top-p 1, min-p 0: llama.cpp's default min-p is 0.05),
 the prompt's seed. Timings are taken on this side (TTFT is the first streamed token's arrival);
 llama.cpp's own counters give prefill time and draft acceptance. An optional bench dependency:
@@ -56,8 +57,10 @@ class LlamaServer:
         log: Path,
         draft: Path | None = None,
         k: int = DEFAULT_K,
+        cache_prompt: bool = False,
     ) -> None:
         self.port = _free_port()
+        self.cache_prompt = cache_prompt
         cmd = [str(binary), "-m", str(model), "-t", str(threads), "-c", str(context), "-np", "1"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         if draft is not None:
@@ -119,7 +122,7 @@ class LlamaServer:
             "typical_p": 1.0,
             "repeat_penalty": 1.0,
             "seed": seed % (1 << 31),
-            "cache_prompt": False,
+            "cache_prompt": self.cache_prompt,
             "stream": True,
             "return_tokens": True,
         }

@@ -28,6 +28,7 @@ from specdecode.bench.llama_cpp import DEFAULT_K, find_binary
 from specdecode.bench.report import cell_label, ours_speculative, reference_stats
 from specdecode.bench.workload import HUMANEVAL, WorkItem, default_workload_path, groups_in_order, load_workload, select
 from specdecode.core.dtypes import DRAFT_DTYPE_HELP, DTYPE_CHOICES, DTYPE_HELP, draft_default
+from specdecode.engine.scheduler import EngineConfig
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import CONFIDENCE_METHODS, METHODS, method_spec, parse_option
 
@@ -134,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt sample and sampling seed")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=EngineConfig.prefix_cache_mb,
+        help="memory for prompt prefixes a cell reuses across its prompts (a shared system prompt), also "
+        "llama.cpp's cache_prompt when on; 0: every prompt prefilled in full (default %(default)s)",
+    )
+    p.add_argument(
         "--llama-server",
         default=None,
         metavar="PATH",
@@ -167,6 +175,7 @@ class Options:
     threads: int | None = None
     confidence: float = 0.5
     llama_server: str | None = None  # --llama-server: the binary, found and checked
+    prefix_cache_mb: int = 0  # --prefix-cache-mb (0: off)
 
 
 def parse_options(argv: list[str]) -> Options:
@@ -187,6 +196,8 @@ def parse_options(argv: list[str]) -> Options:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if per_cat < 0:
         raise ConfigError(f"--prompts-per-category must be >= 0, got {per_cat}")
+    if args.prefix_cache_mb < 0:
+        raise ConfigError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     if args.draft_vocab is not None and (not args.draft or args.draft_vocab < 1):
         raise ConfigError("--draft-vocab needs --draft and a count >= 1")
     return Options(
@@ -209,6 +220,7 @@ def parse_options(argv: list[str]) -> Options:
         threads=args.threads if args.threads is not None else preset["threads"],
         confidence=args.confidence,
         llama_server=str(find_binary(args.llama_server)) if args.llama_server else None,
+        prefix_cache_mb=args.prefix_cache_mb,
     )
 
 
@@ -429,6 +441,8 @@ def fingerprint(
         spec["hybrid_drafter"] = hybrid_drafter
     if opts.draft_vocab is not None:
         spec["draft_vocab"] = opts.draft_vocab
+    if opts.prefix_cache_mb:  # results stored before prefix caching ran without it
+        spec["prefix_cache_mb"] = opts.prefix_cache_mb
     if any(parse_method(m).conf for m in opts.methods):
         spec["confidence"] = opts.confidence
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
@@ -535,6 +549,7 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
                 k=cell.k if m.base != "none" else 1,
                 draft=draft,
                 tree=m.tree or None,
+                prefix_cache_mb=opts.prefix_cache_mb,
                 **({"policy": "confidence", "confidence": opts.confidence} if m.conf else {}),
                 **dict(m.options),
             )
@@ -734,7 +749,10 @@ def _llama_servers(
     started: dict[str, Any] = {}
     for kind, k in kinds.items():
         drafted = draft if kind == "llama.cpp-draft" else None
-        server = LlamaServer(Path(opts.llama_server), model, threads, context, logs / f"{kind}.log", drafted, k)
+        log = logs / f"{kind}.log"
+        server = LlamaServer(
+            Path(opts.llama_server), model, threads, context, log, drafted, k, opts.prefix_cache_mb > 0
+        )
         started[kind] = servers.enter_context(contextlib.closing(server))
     return started
 

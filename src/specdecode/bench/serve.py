@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", default=None, help="engine max batch (default max(32, top concurrency))")
     p.add_argument("--seed", default="0", help="prompt sample, arrivals and sampling seed (default 0)")
     p.add_argument(
+        "--prefix-cache-mb",
+        default="256",
+        help="in-process engine: memory for prompt prefixes reused across a cell's requests (a shared system "
+        "prompt); 0: every prompt prefilled in full (default 256)",
+    )
+    p.add_argument(
         "--url",
         default=None,
         help="drive a running server (specdecode serve, or any OpenAI-compatible one) over HTTP instead of "
@@ -218,6 +224,7 @@ class Options:
     draft: str | None = None  # a draft model for draft / hybrid arms, loaded once beside the target
     slo_ms: tuple[float, float] = (2000.0, 200.0)  # (TTFT, TPOT) a request must meet to count as goodput
     repeats: int = 1  # runs of every cell, interleaved; throughput pooled, latencies of the median run
+    prefix_cache_mb: int = 256  # the engine's prefix store (0: off)
 
     def requests_for(self, point: LoadPoint) -> int:
         if self.requests is not None:
@@ -359,6 +366,7 @@ def parse_options(argv: list[str]) -> Options:
         max_batch=_int(args.max_batch, "--max-batch") if args.max_batch is not None else top,
         seed=_int(args.seed, "--seed", low=0),
         repeats=_int(args.repeats, "--repeats"),
+        prefix_cache_mb=_int(args.prefix_cache_mb, "--prefix-cache-mb", low=0),
         url=args.url,
         api_key=args.api_key,
         draft=args.draft,
@@ -678,8 +686,9 @@ def open_loop(target: ServeTarget, requests: Sequence[LoadRequest], arrivals: Se
 class EngineTarget:
     """The in-process engine as a serving target: a fresh engine (and proposer) per cell."""
 
-    def __init__(self, loaded: Any, max_batch: int, draft: Any = None) -> None:
+    def __init__(self, loaded: Any, max_batch: int, draft: Any = None, prefix_cache_mb: int = 0) -> None:
         self.loaded, self.max_batch, self.draft = loaded, max_batch, draft
+        self.prefix_cache_mb = prefix_cache_mb
         self.engine: Any = None
         self.skew = 0.0  # idle time skipped (Poisson mode) instead of slept
 
@@ -700,7 +709,7 @@ class EngineTarget:
             loaded.model,
             eos_token_ids=loaded.eos_token_ids,
             tokenizer=loaded.tokenizer,
-            config=EngineConfig(max_batch=self.max_batch),
+            config=EngineConfig(max_batch=self.max_batch, prefix_cache_mb=self.prefix_cache_mb),
         )
         self.spec = arm.speculation(loaded, self.draft)
         self.sampling = SamplingConfig(temperature=temperature)
@@ -918,6 +927,7 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
                 "k_max": opts.k_max,
                 "k_table": BatchTableK(*opts.k_table).describe(),
                 "max_batch": opts.max_batch,
+                "prefix_cache_mb": opts.prefix_cache_mb,
                 "seed": opts.seed,
                 "repeats": opts.repeats,
                 "over": "http" if opts.url else "engine",
@@ -952,7 +962,7 @@ def build_target(opts: Options, loaded: Any, draft: Any = None) -> ServeTarget:
         from specdecode.bench.http_target import HttpTarget
 
         return HttpTarget(opts.url, opts.api_key)
-    return EngineTarget(loaded, opts.max_batch, draft)
+    return EngineTarget(loaded, opts.max_batch, draft, opts.prefix_cache_mb)
 
 
 def run_cell(

@@ -7,6 +7,7 @@ from typing import Any
 
 from specdecode.engine.planner import PlannerMemory
 from specdecode.engine.policy import KPolicy
+from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.engine.request import (
     GenerationConfig,
     GenerationResult,
@@ -27,7 +28,9 @@ class Decoder:
     the proposer still drafts, recording the acceptance speculation would have had. Each run is
     a request of its own engine; the proposer and policy are prototypes that every run copies.
     Every run's engine shares this decoder's :class:`PlannerMemory` (forward costs, read rates,
-    score calibrations), so one request after another plans from measurements, not priors.
+    score calibrations), so one request after another plans from measurements, not priors, and
+    its :class:`PrefixCache` (``prefix_cache_mb`` large, 0: none), so a prompt that starts like an
+    earlier run's sequence (a system prompt, a conversation's history) skips that prefill.
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class Decoder:
         tree: TreeConfig | None = None,
         eos_token_ids: tuple[int, ...] = (),
         tokenizer: Any = None,
+        prefix_cache_mb: int = EngineConfig.prefix_cache_mb,
     ) -> None:
         self.spec = Speculation(proposer, policy.k_max if policy is not None else k, policy, shadow, tree)
         self.spec.check(target)
@@ -51,11 +55,18 @@ class Decoder:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.memory = PlannerMemory()
+        align = target.caps.prefix_align
+        self.prefixes = PrefixCache(prefix_cache_mb << 20, align) if align and prefix_cache_mb else None
 
     def engine(self, config: EngineConfig | None = None) -> Engine:
         """An engine over this decoder's target (submit many requests with ``self.spec``)."""
         return Engine(
-            self.target, eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer, config=config, memory=self.memory
+            self.target,
+            eos_token_ids=self.eos_token_ids,
+            tokenizer=self.tokenizer,
+            config=config,
+            memory=self.memory,
+            prefixes=self.prefixes,
         )
 
     def run(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> "DecodeRun":

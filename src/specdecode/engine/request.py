@@ -227,12 +227,18 @@ class Request:
     def prefill_row(self, budget: int) -> Row | None:
         """Up to ``budget`` more prompt tokens (the last one is fed with the first round's drafts)."""
         todo = len(self.prompt_ids) - 1 - self.fed
-        n = min(todo, budget)
+        n = min(todo, budget - self.fed % budget)  # chunks end at fixed offsets, reused prefix or not
         if n <= 0:
             return None
         ids = torch.tensor(self.prompt_ids[self.fed : self.fed + n], dtype=torch.long)
         self.fed += n
         return Row(self, ids, keep=0)
+
+    def reuse(self, n: int) -> None:
+        """The cache was given the first ``n`` prompt positions (a stored prefix): prefill the rest."""
+        self.fed = self.metrics.cached_tokens = n
+        if self.fed == len(self.prompt_ids) - 1:
+            self.status = RUNNING
 
     def prefilled(self, seconds: float) -> None:
         self.metrics.prefill_s += seconds

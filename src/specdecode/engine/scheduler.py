@@ -23,6 +23,7 @@ import torch
 
 from specdecode.engine.planner import AcceptanceHistory, Candidate, PlannerMemory, ScoreCalibration, plan
 from specdecode.engine.policy import PlannedPolicy
+from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.engine.request import (
     DONE,
     PREFILL,
@@ -48,6 +49,8 @@ class EngineConfig:
     ``prefill_chunk``: prompt tokens fed per step across prefilling requests; a prompt is cut
     into chunks of this size at fixed offsets (so its cache is the same whatever else runs)
     and at least one chunk moves every step.
+    ``prefix_cache_mb``: memory for stored prompt prefixes (:mod:`specdecode.engine.prefix_cache`)
+    where the engine is not handed a store; 0 turns prefix caching off, a handed store too.
     """
 
     max_batch: int = 32
@@ -58,12 +61,15 @@ class EngineConfig:
     # acceptance raised to the prior): it drafts again only where that optimism would pay
     probe_every: int = 8
     step_log: int = 10_000  # recent steps kept for reports (a long-running engine must not grow)
+    prefix_cache_mb: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "prefill_chunk", "probe_every", "step_log"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.prefix_cache_mb, int) or self.prefix_cache_mb < 0:
+            raise ConfigError(f"prefix_cache_mb must be an integer >= 0, got {self.prefix_cache_mb!r}")
         for name in ("kv_budget", "max_queue"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -85,6 +91,8 @@ class Engine:
 
     ``memory`` holds what the planner learns beyond any request (forward costs, read rates,
     score calibrations); give engines over the same target and proposers one to share.
+    ``prefixes``: stored prompt prefixes to share with other engines over the same target (by
+    default the engine keeps its own, ``config.prefix_cache_mb`` large).
     """
 
     def __init__(
@@ -95,6 +103,7 @@ class Engine:
         tokenizer: Any = None,
         config: EngineConfig | None = None,
         memory: PlannerMemory | None = None,
+        prefixes: PrefixCache | None = None,
     ) -> None:
         self.target, self.tokenizer = target, tokenizer
         self.eos = frozenset(eos_token_ids)
@@ -104,7 +113,18 @@ class Engine:
         self.reserved = 0  # cache positions held by running requests
         self.memory = memory or PlannerMemory()  # forward costs, read rates, score calibrations
         self.steps: deque[StepRecord] = deque(maxlen=self.config.step_log)
+        self.prefixes = self._prefix_store(prefixes)
         self._next_id = 0
+
+    def _prefix_store(self, given: PrefixCache | None) -> PrefixCache | None:
+        align = self.target.caps.prefix_align
+        if not align or self.config.prefix_cache_mb == 0:
+            return None
+        if given is None:
+            return PrefixCache(self.config.prefix_cache_mb << 20, align)
+        if given.align % align:
+            raise ConfigError(f"a prefix store aligned to {given.align} cannot serve a target aligned to {align}")
+        return given
 
     # -- requests --------------------------------------------------------------------------------
     def submit(
@@ -175,15 +195,20 @@ class Engine:
         return [r.result for r in requests]
 
     def kv_usage(self) -> dict[str, float]:
-        """Cache positions reserved and filled by running requests, against the budget."""
+        """Cache positions reserved and filled by running requests, against the budget, and the
+        prefix store's bytes and reuse."""
         used = sum(r.cache.length for r in self.running if r.cache is not None)
         budget = self.config.kv_budget
-        return {
+        out = {
             "reserved": self.reserved,
             "used": used,
             "budget": budget or 0,
             "usage": self.reserved / budget if budget else 0.0,
         }
+        if self.prefixes is not None:
+            stats = self.prefixes.stats()
+            out.update(prefix_bytes=stats["bytes"], prefix_hits=stats["hits"], prefix_tokens=stats["hit_tokens"])
+        return out
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -222,9 +247,35 @@ class Engine:
                 break  # first come, first served: later requests wait too
             self.waiting.popleft()
             r.admit()
+            self._reuse_prefix(r)
             self._start_from_history(r)
             self.reserved += r.capacity
             self.running.append(r)
+
+    def _reuse_prefix(self, r: Request) -> None:
+        """Take the longest stored prefix of the prompt instead of prefilling it, where the rest
+        of the prompt is then computed as without it. A proposer that reads the target's
+        features needs every prompt forward, so its requests prefill in full."""
+        if self.prefixes is None or r.reads_features or len(r.prompt_ids) <= self.prefixes.align:
+            return
+        prompt, last = r.prompt_ids, len(r.prompt_ids) - 1
+        n = self.prefixes.match(prompt, last)
+        while n and not self._split_exact(n, last):
+            n -= self.prefixes.align
+        if n:
+            r.reuse(self.prefixes.load(r.cache, prompt, n))
+
+    def _split_exact(self, n: int, last: int) -> bool:
+        """Whether prompt rows ``[n, last)`` prefill as they would from 0: the chunk that now
+        starts at ``n`` keeps the rows a target computes by chunk size the same way."""
+        chunk, rest = self.config.prefill_chunk, self.target.caps.prefix_rest
+        start = n // chunk * chunk
+        end = min(start + chunk, last)
+        return end - n == 0 or end - n >= rest or end - start < rest
+
+    def _keep_prefix(self, r: Request, tokens: list[int]) -> None:
+        if self.prefixes is not None and r.cache is not None:
+            self.prefixes.store(tokens, r.cache)
 
     def _prefill_rows(self) -> list[Row]:
         """Prompt chunks for this step, first come first served, within the token budget."""
@@ -410,6 +461,8 @@ class Engine:
                 r.observe_forward(row, h)
             if row.keep == 0:  # a prefill chunk
                 r.prefilled(forward_s)
+                if r.status == RUNNING:  # its prompt is read: later prompts may start from it
+                    self._keep_prefix(r, r.prompt_ids)
                 continue
             scores = r.draft_scores()
             event = r.absorb(lg, forward_s)
@@ -429,6 +482,8 @@ class Engine:
     def _close(self, r: Request) -> None:
         if not r.cancelled:
             self.memory.output_tokens = _blend(self.memory.output_tokens, float(r.output.count))
+            if self.target.caps.row_exact:  # a conversation's next turn starts with all of it
+                self._keep_prefix(r, r.context)
         self._remember(r)
         r.finish()
         r.free()

@@ -15,6 +15,17 @@ class ModelCaps:
     trees: bool = False  # forward takes explicit positions + attention masks; caches compact
     rows: bool = False  # forward_rows: several sequences (each over its own cache) in one pass
     hidden: bool = False  # return_hidden=True also returns the last layer's pre-norm features
+    # A prompt prefilled in two forwards split at a multiple of ``prefix_align`` positions writes
+    # bitwise the cache and logits of one forward, so a stored prefix may stand in for its
+    # prefill (0: never; the cache then need not export or load positions). ``prefix_rest``:
+    # rows a split-off prompt chunk needs to be computed as in the unsplit chunk (some kernels
+    # choose their path by chunk size).
+    prefix_align: int = 0
+    prefix_rest: int = 1
+    # Every position's keys/values are bitwise the same whichever forward wrote it (a prefill
+    # chunk, a decode row, a verify chain): a finished sequence's whole cache may then stand in
+    # for a later prefill, not only its prompt chunks.
+    row_exact: bool = False
 
 
 @runtime_checkable

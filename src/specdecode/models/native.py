@@ -653,6 +653,10 @@ def _stacked(stack: Any, x: torch.Tensor, seqs: list[_Seq], cos: torch.Tensor, s
 # multiplies each chunk in its own call, whose result depends on the chunk alone (its length is
 # fixed by the prompt and the chunk size), and every other row goes to the int8dot kernels as before.
 
+# Row blocks of the matmuls: a row's result depends on its offset in the forward modulo this
+# (fp32 sgemm blocks rows by 16; the int8dot and bf16 paths are row-exact), so a prompt split at
+# a multiple of it is computed bitwise as one forward (tests/engine/test_prefix_cache.py).
+PREFIX_ALIGN = 16
 PROMPT_ROWS_MIN = 32  # shorter chunks stay on int8dot (measured crossover ~16 rows on the Xeon)
 PROMPT_COPIES_ENV = "SPECDECODE_PROMPT_COPIES"  # 0: never make them, 1: always (else measured)
 
@@ -772,7 +776,7 @@ class NativeCausalLM:
     """``CausalLM`` running a Llama-family checkpoint with plain PyTorch ops and a static cache."""
 
     backend = "native"
-    caps = ModelCaps(trees=True, rows=True, hidden=True)
+    caps = ModelCaps(trees=True, rows=True, hidden=True, prefix_align=PREFIX_ALIGN)
 
     def __init__(
         self,
@@ -807,6 +811,9 @@ class NativeCausalLM:
         self._inv_freq = inv_freq(config.rope, config.head_dim)
         self._decoder: Callable[..., torch.Tensor] = _decoder
         self._prompt_copies = any(m.prompt_copy is not None for m in quant_matrices(weights))
+        # Chunks of PROMPT_ROWS_MIN+ rows run on the copies, shorter ones and decode rows not.
+        rest = PROMPT_ROWS_MIN if self._prompt_copies else 1
+        self.caps = dataclasses.replace(self.caps, prefix_rest=rest, row_exact=row_exact and not self._prompt_copies)
         self._stack: Any = None  # layer_stack(weights), built at the first forward: weights are final by then
         self._stack_built = False
 

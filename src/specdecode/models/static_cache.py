@@ -63,6 +63,21 @@ class StaticKVCache:
             buf[:, :, :, start : start + len(keep)] = buf[:, :, :, index]
         self._length = start + len(keep)
 
+    def export(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values at positions ``[0, n)`` [layers, batch, kv_heads, n, head_dim]."""
+        check_trim(self, n)
+        return self.keys[:, :, :, :n].clone(), self.values[:, :, :, :n].clone()
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Take ``keys``/``values`` (as :meth:`export` gives them) as positions ``[0, n)`` of this
+        empty cache."""
+        if self._length:
+            raise ValueError(f"load needs an empty cache, this one holds {self._length} positions")
+        n = keys.shape[3]
+        self.reserve(n)
+        self.keys[:, :, :, :n] = keys
+        self.values[:, :, :, :n] = values
+
     def layer_view(self, layers: int) -> "LayerView":
         """A cache over this cache's first ``layers`` layers, sharing its buffers (early exit)."""
         return LayerView(self, layers)

@@ -58,6 +58,16 @@ def _positive(kind: type):
     return parse
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specdecode serve", description="An OpenAI-compatible server on the batched speculative engine.")
     p.add_argument("--target", default=None, help="transformers folder or .gguf (default: embedded SmolLM2-135M)")
@@ -86,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget", type=_positive(int), default=None, help="cache positions over all requests")
     p.add_argument("--max-queue", type=_positive(int), default=256, help="waiting requests before 429")
     p.add_argument("--prefill-chunk", type=_positive(int), default=512, help="prompt tokens per step")
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=_non_negative_int,
+        default=EngineConfig.prefix_cache_mb,
+        help="memory for stored prompt prefixes that later prompts starting the same way (a system prompt, a "
+        "conversation so far) reuse instead of prefilling; 0: off (default %(default)s)",
+    )
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
     p.add_argument("--max-body-bytes", type=_positive(int), default=1 << 20)
     p.add_argument("--max-prompt-tokens", type=_positive(int), default=None, help="default: the model's window")
@@ -111,7 +128,11 @@ RAY_OPTIONS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_reque
 def server_config(args: argparse.Namespace):
 
     engine = EngineConfig(
-        max_batch=args.max_batch, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk, max_queue=args.max_queue
+        max_batch=args.max_batch,
+        kv_budget=args.kv_budget,
+        prefill_chunk=args.prefill_chunk,
+        max_queue=args.max_queue,
+        prefix_cache_mb=args.prefix_cache_mb,
     )
     return ServerConfig(
         model_name=args.model_name or (args.target if args.target in CATALOG else None),  # a catalog name as given

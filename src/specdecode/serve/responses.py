@@ -31,6 +31,9 @@ def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]
         "total_tokens": prompt_tokens + completion,
     }
     stats = [r.stats for r in results]
+    cached = max((s.get("cached_tokens", 0) for s in stats), default=0)
+    if cached:  # OpenAI's field: prompt tokens served from the cache
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
     method = stats[0].get("method", "none") if stats else "none"
     if method == "none":
         return out

@@ -1,0 +1,140 @@
+"""Prefix caching: a prompt that starts like an earlier request's sequence skips that prefill.
+
+Chat prompts repeat their beginnings: the system prompt of every request to a server, the whole
+history of a conversation's next turn, a benchmark's instruction. The keys and values a target
+wrote for a sequence depend only on its tokens, so a later prompt sharing the first n tokens can
+take those n positions from a stored copy instead of computing them. Reuse is exact, not an
+approximation: the model declares the split at which a prefill is bitwise one forward
+(``ModelCaps.prefix_align``), and only prefixes cut there are reused, so a request's tokens are
+the same with the cache and without (greedy identical, sampled draws identical under a seed).
+
+The store is shared explicitly: an engine owns one, or is handed one (a ``Decoder`` gives all its
+runs the same), bounded in bytes with least-recently-used eviction. Only the target's cache is
+stored; a proposer's own state (a draft model's cache) still reads the prompt itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.errors import ConfigError
+
+
+@dataclass
+class _Entry:
+    tokens: torch.Tensor  # [n] int64: the sequence whose positions these are
+    keys: torch.Tensor  # [layers, batch, kv_heads, n, head_dim]
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes + self.tokens.nbytes
+
+
+class PrefixCache:
+    """Stored key/value prefixes of earlier sequences, at most ``max_bytes`` of them.
+
+    ``align``: stored and reused lengths are multiples of it (the target's ``prefix_align``).
+    Thread-safe: engines on several threads (a generator called from many) may share one.
+    """
+
+    def __init__(self, max_bytes: int, align: int = 16) -> None:
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ConfigError(f"prefix cache size must be an integer >= 0 bytes, got {max_bytes!r}")
+        if align < 1:
+            raise ConfigError(f"prefix alignment must be >= 1, got {align}")
+        self.max_bytes, self.align = max_bytes, align
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._next = 0
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.lookups = self.hits = self.hit_tokens = 0
+
+    def match(self, tokens: Sequence[int], limit: int) -> int:
+        """Positions a prompt ``tokens`` could take from the store: the longest stored common
+        prefix, cut to ``limit`` and down to a multiple of ``align`` (0 where none)."""
+        with self._lock:
+            return self._best(torch.as_tensor(list(tokens), dtype=torch.long), limit)[0]
+
+    def load(self, cache, tokens: Sequence[int], n: int) -> int:
+        """Copy the stored keys/values of ``tokens[:n]`` into the empty ``cache``; the positions
+        loaded (``n``, or 0 where no entry holds them any more: it may have been evicted since
+        :meth:`match`)."""
+        with self._lock:
+            self.lookups += 1
+            if n < self.align:
+                return 0
+            length, key = self._best(torch.as_tensor(list(tokens[:n]), dtype=torch.long), n)
+            if length < n:
+                return 0
+            entry = self._entries[key]
+            self._entries.move_to_end(key)
+            cache.load(entry.keys[:, :, :, :n], entry.values[:, :, :, :n])
+            self.hits += 1
+            self.hit_tokens += n
+            return n
+
+    def store(self, tokens: Sequence[int], cache) -> None:
+        """Keep the positions of ``tokens`` (``cache`` holds them, possibly more) for later
+        prompts: up to the last multiple of ``align``. An entry this one extends is dropped (the
+        new one serves every prompt it served); one that extends this one is kept instead."""
+        n = min(len(tokens), cache.length) // self.align * self.align
+        if n == 0 or self.max_bytes == 0:
+            return
+        ids = torch.as_tensor(list(tokens[:n]), dtype=torch.long)
+        with self._lock:
+            for key, entry in list(self._entries.items()):
+                m = min(n, entry.tokens.numel())
+                if not torch.equal(entry.tokens[:m], ids[:m]):
+                    continue
+                if entry.tokens.numel() >= n:  # already held
+                    self._entries.move_to_end(key)
+                    return
+                self._drop(key)  # extended by the new sequence
+        keys, values = cache.export(n)
+        entry = _Entry(ids, keys, values)
+        if entry.nbytes > self.max_bytes:
+            return
+        with self._lock:
+            while self._entries and self.bytes + entry.nbytes > self.max_bytes:
+                self._drop(next(iter(self._entries)))
+            self._entries[self._next] = entry
+            self._next += 1
+            self.bytes += entry.nbytes
+
+    def stats(self) -> dict[str, int]:
+        """Entries and bytes held, and lookups, hits and positions reused so far."""
+        with self._lock:
+            return {
+                "entries": len(self._entries),
+                "bytes": self.bytes,
+                "max_bytes": self.max_bytes,
+                "lookups": self.lookups,
+                "hits": self.hits,
+                "hit_tokens": self.hit_tokens,
+            }
+
+    def _best(self, ids: torch.Tensor, limit: int) -> tuple[int, int]:
+        """(aligned common-prefix length, entry key) of the entry sharing most of ``ids``."""
+        best, best_key = 0, -1
+        for key, entry in self._entries.items():
+            m = min(ids.numel(), entry.tokens.numel(), limit)
+            if m <= best:
+                continue
+            differ = (entry.tokens[:m] != ids[:m]).nonzero()
+            common = m if differ.numel() == 0 else int(differ[0, 0])
+            common = common // self.align * self.align
+            if common > best:
+                best, best_key = common, key
+        return best, best_key
+
+    def _drop(self, key: int) -> None:
+        self.bytes -= self._entries.pop(key).nbytes
+
+
+__all__ = ["PrefixCache"]
