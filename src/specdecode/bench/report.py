@@ -199,6 +199,9 @@ def _row(
         "round_acceptance": [_div(a, calls) for a in pos_a],
         "mean_k": _div(sum(history), len(history)) if history else None,
         "sources": sum_sources([r["stats"] for r in recs]),
+        "prompt_tokens": sum(int(r.get("prompt_tokens") or 0) for r in recs),
+        # prompt positions taken from the prefix cache (ours; llama.cpp's cache_prompt reports none)
+        "cached_tokens": sum(int(r["stats"].get("cached_tokens") or 0) for r in recs) if timed else None,
         "total_s": total,
         "tokens_per_s": _div(tokens, total),
         "ttft_s": _div(_sum(recs, "ttft_s"), len(recs)),
@@ -707,7 +710,7 @@ def print_console(results: dict[str, Any], console: Any) -> None:
     for label, vals in lines:
         matrix.add_row(label, *vals)
     console.print(matrix)
-    for line in _sources_lines(results, multi):
+    for line in _sources_lines(results, multi) + _cached_lines(results, multi):
         console.print(line)
     bound = ceiling(results)
     if bound is not None:
@@ -718,6 +721,13 @@ def _sources_lines(results: dict[str, Any], multi: bool) -> list[str]:
     """Which source drafted, for each composite proposer's cell (overall), under a heading."""
     lines = [line for row in _rows(results, OVERALL) if (line := sources_line(row, multi))]
     return ["Drafting rounds by source (a composite proposer's):", *lines] if lines else []
+
+
+def _cached_lines(results: dict[str, Any], multi: bool) -> list[str]:
+    """How much of each cell's prompts the prefix cache served (overall), where it served any."""
+    rows = [r for r in _rows(results, OVERALL) if r.get("cached_tokens")]
+    parts = [f"{cell_label(r, multi)} {r['cached_tokens']} of {r['prompt_tokens']}" for r in rows]
+    return ["Prompt tokens from the prefix cache: " + ", ".join(parts)] if parts else []
 
 
 def summary_line(results: dict[str, Any], out: Path) -> dict[str, Any]:
