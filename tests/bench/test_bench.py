@@ -500,3 +500,50 @@ def test_llama_server_errors_are_one_line(models, tmp_path):
     )
     assert rc != 0 and "needs the target and the draft to come from GGUF files" in stderr
     assert "Traceback" not in stderr
+
+
+def test_later_turns_run_as_conversations_with_plain_greedy_answers(tmp_path):
+    """``--turns 2``: a "turns" row's second question runs after the first, as the conversation
+    so far (plain greedy decoding's answer as the assistant turn), for every cell with the same
+    ids; greedy speculation still equals plain on it, and the stored first turn is reused."""
+    from transformers import AutoTokenizer
+
+    from helpers import save_tiny_llama
+
+    save_tiny_llama(tmp_path / "chat")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "chat")
+    tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+    tok.save_pretrained(tmp_path / "chat")
+    rows = [
+        {"question_id": 81, "category": "writing", "turns": ["Write about the sea.", "Now say it again."]},
+        {"question_id": 7, "category": "qa", "turns": ["Who are you?"]},
+    ]
+    workload = write_jsonl(tmp_path / "w.jsonl", rows)
+    argv = ["bench", "--workload", str(workload), "--out", str(tmp_path / "out"), "--target", str(tmp_path / "chat")]
+    argv += ["--methods", "none,suffix", "--k", "3", "--max-new-tokens", "12", "--no-hf", "--turns", "2"]
+    rc, _, stderr = run_cli(argv)
+    assert rc == 0, stderr
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    by_key = {(r["prompt_id"], r["method"]): r for r in results["records"]}
+    assert set(by_key) == {(p, m) for p in ("81", "81#t2", "7") for m in ("none", "suffix")}
+    first, second = by_key[("81", "none")], by_key[("81#t2", "none")]
+    answer = tok.decode(first["token_ids"], skip_special_tokens=True)
+    expected = tok.apply_chat_template(
+        [
+            {"role": "user", "content": rows[0]["turns"][0]},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": rows[0]["turns"][1]},
+        ],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
+    assert second["prompt_tokens"] == len(expected) and second["category"] == "writing"
+    assert by_key[("81#t2", "suffix")]["token_ids"] == second["token_ids"]  # exact on the second turn too
+    assert second["stats"]["cached_tokens"] >= 16  # the first turn's prompt came from the prefix cache
+    assert {p["id"] for p in results["prompts"]} == {"81", "81#t2", "7"}
+    rc, _, stderr = run_cli([*argv[:-2], "--turns", "0"])
+    assert rc == 2 and "--turns must be >= 1" in stderr
+    save_tiny_llama(tmp_path / "plain")  # no chat template: a later turn has no form
+    rc, _, stderr = run_cli([*argv[:4], str(tmp_path / "out2"), "--target", str(tmp_path / "plain"), *argv[7:]])
+    assert rc == 2 and "--turns needs a target with a chat template" in stderr

@@ -135,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt sample and sampling seed")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     p.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="user turns of a conversation's prompts to run (Spec-Bench's MT-Bench questions have 2): turn n "
+        "is the conversation so far, with plain greedy decoding's answers, so every cell sees the same ids "
+        "(default 1)",
+    )
+    p.add_argument(
         "--prefix-cache-mb",
         type=int,
         default=EngineConfig.prefix_cache_mb,
@@ -176,6 +184,7 @@ class Options:
     confidence: float = 0.5
     llama_server: str | None = None  # --llama-server: the binary, found and checked
     prefix_cache_mb: int = 0  # --prefix-cache-mb (0: off)
+    turns: int = 1  # --turns: user turns of multi-turn prompts run
 
 
 def parse_options(argv: list[str]) -> Options:
@@ -196,6 +205,8 @@ def parse_options(argv: list[str]) -> Options:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if per_cat < 0:
         raise ConfigError(f"--prompts-per-category must be >= 0, got {per_cat}")
+    if args.turns < 1:
+        raise ConfigError(f"--turns must be >= 1, got {args.turns}")
     if args.prefix_cache_mb < 0:
         raise ConfigError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     if args.draft_vocab is not None and (not args.draft or args.draft_vocab < 1):
@@ -221,6 +232,7 @@ def parse_options(argv: list[str]) -> Options:
         confidence=args.confidence,
         llama_server=str(find_binary(args.llama_server)) if args.llama_server else None,
         prefix_cache_mb=args.prefix_cache_mb,
+        turns=args.turns,
     )
 
 
@@ -526,6 +538,8 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
     console.print(f"bench: {len(items)} prompts in {len(groups_in_order(items))} categories -> {opts.out}")
 
     target = load_model(opts.target, dtype=opts.dtype, backend=opts.backend)
+    if opts.turns > 1 and not getattr(target.tokenizer, "chat_template", None):
+        raise ConfigError("--turns needs a target with a chat template (later turns are conversations)")
     needs_draft = any(method_spec(base_method(m)).uses_draft for m in opts.methods)
     draft = load_draft(opts.draft, opts.dtype, opts.draft_dtype) if needs_draft and opts.draft else None
     if draft is not None and opts.draft_vocab is not None:
@@ -578,46 +592,44 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
         )
     prompts: dict[str, dict[str, Any]] = {}
     for item in items:
-        ids = plain.encode(item.prompt)
-        truncated = len(ids) > budget
-        prompts[item.id] = {"ids": ids[-budget:] if truncated else ids, "truncated": truncated, "tokens": len(ids)}
+        prompts[item.id] = _prompt_entry(plain.encode(item.prompt), budget, [{"role": "user", "content": item.prompt}])
 
     longest = max(p["tokens"] if not p["truncated"] else budget for p in prompts.values())
-    llamas = _llama_servers(opts, cells, target, longest + opts.max_new_tokens + 16, servers)
+    context = longest + opts.max_new_tokens + 16 if opts.turns == 1 else int(target.model.max_length)
+    llamas = _llama_servers(opts, cells, target, context, servers)
     console.print(f"measuring the target's forward cost c(n), n = 1..{kmax + 1}, after {COST_CONTEXT} cached tokens")
     cost_curve = measure_cost_curve(target.model, kmax + 1)
 
     store_path = opts.out / "cells.jsonl"
     done = read_store(store_path, fp)
-    todo = []
-    for index, item in enumerate(items):
-        rotated = cells[index % len(cells) :] + cells[: index % len(cells)]  # no cell always runs first
-        todo.extend((item, cell) for cell in rotated if record_key(cell, item) not in done)
-    resumed = len(items) * len(cells) - len(todo)
+    ran = resumed = 0
+    phase, items, warm = items, list(items), True
+    while phase:  # the first turn of every prompt, then each later turn of the conversations
+        todo = []
+        for index, item in enumerate(phase):
+            rotated = cells[index % len(cells) :] + cells[: index % len(cells)]  # no cell always runs first
+            todo.extend((item, cell) for cell in rotated if record_key(cell, item) not in done)
+        resumed += len(phase) * len(cells) - len(todo)
+        if todo and warm:  # one short untimed run per cell: first-call costs stay out of the timings
+            _warm_up(cells, prompts[items[0].id]["ids"][:16], gens, hf_model, target, llamas)
+            warm = False
+        with (
+            open(store_path, "a", encoding="utf-8") as store,
+            tqdm(total=len(todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar,
+        ):
+            for item, cell in todo:
+                bar.set_postfix_str(f"{item.group}/{item.id} {cell.label(len(opts.temperatures) > 1)}", refresh=False)
+                rec = _run_one(cell, item, prompts[item.id], opts, gens, hf_model, target, llamas)
+                rec.update(key=record_key(cell, item), fingerprint=fp)
+                store.write(json.dumps(rec) + "\n")
+                store.flush()
+                done[rec["key"]] = rec
+                bar.update(1)
+        ran += len(todo)
+        phase = _next_turns(phase, prompts, done, opts, target, budget) if opts.turns > 1 else []
+        items += phase
     if resumed:
-        console.print(f"resuming: {resumed} finished cell x prompt results found in {store_path}, skipped")
-
-    if todo:  # one short untimed run per cell: first-call allocations and lazy set-up stay out of the timings
-        warm_ids = prompts[items[0].id]["ids"][:16]
-        for cell in cells:
-            if cell.method == "hf":
-                hf_generate(hf_model, warm_ids, 4, cell.temperature, 0, target.eos_token_ids)
-            elif cell.llama:
-                llamas[cell.method].generate(warm_ids, 4, cell.temperature, 0)
-            else:
-                gens[cell].generate(warm_ids, max_new_tokens=4, temperature=cell.temperature, seed=0)
-    with (
-        open(store_path, "a", encoding="utf-8") as store,
-        tqdm(total=len(todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar,
-    ):
-        for item, cell in todo:
-            bar.set_postfix_str(f"{item.group}/{item.id} {cell.label(len(opts.temperatures) > 1)}", refresh=False)
-            rec = _run_one(cell, item, prompts[item.id], opts, gens, hf_model, target, llamas)
-            rec.update(key=record_key(cell, item), fingerprint=fp)
-            store.write(json.dumps(rec) + "\n")
-            store.flush()
-            done[rec["key"]] = rec
-            bar.update(1)
+        console.print(f"resumed: {resumed} finished cell x prompt results found in {store_path}, not run again")
 
     records = [done[record_key(c, item)] for item in items for c in cells if record_key(c, item) in done]
     results = {
@@ -662,7 +674,7 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
         "categories": groups_in_order(items),
         "cells": [c.to_dict() for c in cells],
         "skipped_cells": skipped_cells,
-        "run": {"ran": len(todo), "resumed": resumed, "elapsed_s": 0.0},
+        "run": {"ran": ran, "resumed": resumed, "elapsed_s": 0.0},
         "records": records,
     }
     results["aggregates"] = report.aggregate(results)
@@ -671,6 +683,58 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
     report.print_console(results, Console(file=sys.stdout, width=max(Console().width, 180)))
     print(json.dumps(report.summary_line(results, opts.out)), flush=True)
     return 0
+
+
+def _prompt_entry(ids: list[int], budget: int, messages: list[dict[str, str]]) -> dict[str, Any]:
+    truncated = len(ids) > budget
+    return {
+        "ids": ids[-budget:] if truncated else ids,
+        "truncated": truncated,
+        "tokens": len(ids),
+        "messages": messages,
+    }
+
+
+def _warm_up(cells: list[Cell], ids: list[int], gens: dict, hf_model: Any, target: Any, llamas: dict) -> None:
+    for cell in cells:
+        if cell.method == "hf":
+            hf_generate(hf_model, ids, 4, cell.temperature, 0, target.eos_token_ids)
+        elif cell.llama:
+            llamas[cell.method].generate(ids, 4, cell.temperature, 0)
+        else:
+            gens[cell].generate(ids, max_new_tokens=4, temperature=cell.temperature, seed=0)
+
+
+def _next_turns(
+    phase: list[WorkItem], prompts: dict, done: dict, opts: Options, target: Any, budget: int
+) -> list[WorkItem]:
+    """The next user turn of every conversation in ``phase`` that has one (up to ``--turns``). Its
+    prompt is the conversation so far, whose assistant turns are plain greedy decoding's answers
+    (the plain T=0 cell's, else made here, untimed): every cell sees the same prompt ids."""
+    from specdecode.api import SpeculativeGenerator, encode_chat
+
+    follow, reference = [], None
+    for item in phase:
+        if not item.later or item.turn >= opts.turns:
+            continue
+        plain = done.get(record_key(Cell("none", 0, 0.0), item))
+        if plain is None:
+            reference = reference or SpeculativeGenerator(target, method="none", prefix_cache_mb=0)
+            answer = reference.generate(prompts[item.id]["ids"], max_new_tokens=opts.max_new_tokens).token_ids
+        else:
+            answer = plain["token_ids"]
+        text = target.tokenizer.decode(answer, skip_special_tokens=True)
+        messages = prompts[item.id]["messages"] + [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": item.later[0]},
+        ]
+        nxt = WorkItem(
+            f"{item.id.split('#')[0]}#t{item.turn + 1}", item.category, item.group, item.later[0], item.line,
+            item.later[1:], item.turn + 1,
+        )  # fmt: skip
+        prompts[nxt.id] = _prompt_entry(encode_chat(target.tokenizer, messages), budget, messages)
+        follow.append(nxt)
+    return follow
 
 
 def _hf_model(target: Any, dtype: str) -> Any:

@@ -20,13 +20,16 @@ MT_BENCH_IDS = range(81, 161)
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One prompt: ``id`` is the file's ``question_id`` (or ``id``) or ``L<line>``."""
+    """One prompt: ``id`` is the file's ``question_id`` (or ``id``) or ``L<line>``; a later turn
+    of a conversation is ``<id>#t<turn>``."""
 
     id: str
     category: str  # as written in the file
     group: str  # the reporting category (Spec-Bench's MT-Bench categories fold into "mt_bench")
     prompt: str
     line: int
+    later: tuple[str, ...] = ()  # the conversation's user turns after this one (a "turns" row)
+    turn: int = 1
 
 
 def default_workload_path() -> Path:
@@ -110,6 +113,11 @@ def load_workload(path: str | os.PathLike | None = None) -> list[WorkItem]:
         if not isinstance(row, dict):
             raise InputError(f"{p}: line {number}: expected a JSON object, got {type(row).__name__}")
         prompt = _prompt_of(row, p, number)
+        later = (
+            tuple(t for t in row.get("turns", [])[1:] if isinstance(t, str) and t.strip())
+            if "prompt" not in row
+            else ()
+        )
         category = row.get("category", "default")
         if not isinstance(category, str) or not category.strip():
             raise InputError(f"{p}: line {number}: 'category' must be a non-empty string")
@@ -118,7 +126,7 @@ def load_workload(path: str | os.PathLike | None = None) -> list[WorkItem]:
         if item_id in seen:
             item_id = f"{item_id}@L{number}"
         seen.add(item_id)
-        items.append(WorkItem(item_id, category.strip(), group_of(category.strip(), qid), prompt, number))
+        items.append(WorkItem(item_id, category.strip(), group_of(category.strip(), qid), prompt, number, later))
     if not items:
         raise InputError(f"workload file is empty: {p}")
     return items
