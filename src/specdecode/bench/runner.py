@@ -602,32 +602,36 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
 
     store_path = opts.out / "cells.jsonl"
     done = read_store(store_path, fp)
-    ran = resumed = 0
-    phase, items, warm = items, list(items), True
-    while phase:  # the first turn of every prompt, then each later turn of the conversations
-        todo = []
-        for index, item in enumerate(phase):
+    # Every prompt's cells in turn; a conversation's next turn right after its previous one (as a
+    # user's follow-up comes), so its history is still in each cell's prefix cache.
+    conversations = [[it, *_later_turns(it, opts.turns)] for it in items]
+    items = [it for conv in conversations for it in conv]
+    todo = [(it, c) for it in items for c in cells if record_key(c, it) not in done]
+    resumed = len(items) * len(cells) - len(todo)
+    if todo:  # one short untimed run per cell: first-call costs stay out of the timings
+        _warm_up(cells, prompts[items[0].id]["ids"][:16], gens, hf_model, target, llamas)
+    with (
+        open(store_path, "a", encoding="utf-8") as store,
+        tqdm(total=len(todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar,
+    ):
+        for index, conv in enumerate(conversations):
             rotated = cells[index % len(cells) :] + cells[: index % len(cells)]  # no cell always runs first
-            todo.extend((item, cell) for cell in rotated if record_key(cell, item) not in done)
-        resumed += len(phase) * len(cells) - len(todo)
-        if todo and warm:  # one short untimed run per cell: first-call costs stay out of the timings
-            _warm_up(cells, prompts[items[0].id]["ids"][:16], gens, hf_model, target, llamas)
-            warm = False
-        with (
-            open(store_path, "a", encoding="utf-8") as store,
-            tqdm(total=len(todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar,
-        ):
-            for item, cell in todo:
-                bar.set_postfix_str(f"{item.group}/{item.id} {cell.label(len(opts.temperatures) > 1)}", refresh=False)
-                rec = _run_one(cell, item, prompts[item.id], opts, gens, hf_model, target, llamas)
-                rec.update(key=record_key(cell, item), fingerprint=fp)
-                store.write(json.dumps(rec) + "\n")
-                store.flush()
-                done[rec["key"]] = rec
-                bar.update(1)
-        ran += len(todo)
-        phase = _next_turns(phase, prompts, done, opts, target, budget) if opts.turns > 1 else []
-        items += phase
+            for before, item in zip([None, *conv], conv):
+                if before is not None:
+                    prompts[item.id] = _turn_prompt(before, item, prompts, done, opts, target, budget)
+                for cell in rotated:
+                    if record_key(cell, item) in done:
+                        continue
+                    bar.set_postfix_str(
+                        f"{item.group}/{item.id} {cell.label(len(opts.temperatures) > 1)}", refresh=False
+                    )
+                    rec = _run_one(cell, item, prompts[item.id], opts, gens, hf_model, target, llamas)
+                    rec.update(key=record_key(cell, item), fingerprint=fp)
+                    store.write(json.dumps(rec) + "\n")
+                    store.flush()
+                    done[rec["key"]] = rec
+                    bar.update(1)
+    ran = len(todo)
     if resumed:
         console.print(f"resumed: {resumed} finished cell x prompt results found in {store_path}, not run again")
 
@@ -705,36 +709,33 @@ def _warm_up(cells: list[Cell], ids: list[int], gens: dict, hf_model: Any, targe
             gens[cell].generate(ids, max_new_tokens=4, temperature=cell.temperature, seed=0)
 
 
-def _next_turns(
-    phase: list[WorkItem], prompts: dict, done: dict, opts: Options, target: Any, budget: int
-) -> list[WorkItem]:
-    """The next user turn of every conversation in ``phase`` that has one (up to ``--turns``). Its
-    prompt is the conversation so far, whose assistant turns are plain greedy decoding's answers
-    (the plain T=0 cell's, else made here, untimed): every cell sees the same prompt ids."""
+def _later_turns(item: WorkItem, turns: int) -> list[WorkItem]:
+    """The conversation's user turns after ``item``'s, up to ``turns`` in all (``<id>#t<n>``)."""
+    return [
+        WorkItem(f"{item.id}#t{n}", item.category, item.group, text, item.line, item.later[i + 1 :], n)
+        for i, (n, text) in enumerate(zip(range(item.turn + 1, turns + 1), item.later))
+    ]
+
+
+def _turn_prompt(
+    before: WorkItem, item: WorkItem, prompts: dict, done: dict, opts: Options, target: Any, budget: int
+) -> dict[str, Any]:
+    """``item``'s prompt: the conversation up to ``before``, whose answer is plain greedy
+    decoding's (the plain T=0 cell's, else made here, untimed), then ``item``'s question. Every
+    cell sees the same ids."""
     from specdecode.api import SpeculativeGenerator, encode_chat
 
-    follow, reference = [], None
-    for item in phase:
-        if not item.later or item.turn >= opts.turns:
-            continue
-        plain = done.get(record_key(Cell("none", 0, 0.0), item))
-        if plain is None:
-            reference = reference or SpeculativeGenerator(target, method="none", prefix_cache_mb=0)
-            answer = reference.generate(prompts[item.id]["ids"], max_new_tokens=opts.max_new_tokens).token_ids
-        else:
-            answer = plain["token_ids"]
-        text = target.tokenizer.decode(answer, skip_special_tokens=True)
-        messages = prompts[item.id]["messages"] + [
-            {"role": "assistant", "content": text},
-            {"role": "user", "content": item.later[0]},
-        ]
-        nxt = WorkItem(
-            f"{item.id.split('#')[0]}#t{item.turn + 1}", item.category, item.group, item.later[0], item.line,
-            item.later[1:], item.turn + 1,
-        )  # fmt: skip
-        prompts[nxt.id] = _prompt_entry(encode_chat(target.tokenizer, messages), budget, messages)
-        follow.append(nxt)
-    return follow
+    plain = done.get(record_key(Cell("none", 0, 0.0), before))
+    if plain is not None:
+        answer = plain["token_ids"]
+    else:
+        reference = SpeculativeGenerator(target, method="none", prefix_cache_mb=0)
+        answer = reference.generate(prompts[before.id]["ids"], max_new_tokens=opts.max_new_tokens).token_ids
+    messages = prompts[before.id]["messages"] + [
+        {"role": "assistant", "content": target.tokenizer.decode(answer, skip_special_tokens=True)},
+        {"role": "user", "content": item.prompt},
+    ]
+    return _prompt_entry(encode_chat(target.tokenizer, messages), budget, messages)
 
 
 def _hf_model(target: Any, dtype: str) -> Any:
