@@ -217,3 +217,20 @@ def test_a_store_that_ignored_the_alignment_would_be_caught(folder):
     warm = _runs(Decoder(model, None), PROMPTS, config)
     assert [c for *_, c in warm] == [0, 40, 40]
     assert [lp for _, lp, _ in warm] != [lp for _, lp, _ in cold]
+
+
+def test_a_salted_request_reuses_only_prefixes_stored_under_its_salt(folder):
+    """``cache_salt`` scopes the store: one tenant's prompts never shorten another's prefill
+    (a timing side channel otherwise)."""
+    decoder = Decoder(NativeCausalLM.from_pretrained(folder), None)
+
+    def cached(prompt, salt):
+        return decoder.generate(prompt, GenerationConfig(max_new_tokens=4, cache_salt=salt)).stats["cached_tokens"]
+
+    assert cached(PROMPTS[0], "alice") == 0
+    assert cached(PROMPTS[1], "bob") == 0  # alice's entry shares 40 tokens, but not her salt
+    assert cached(PROMPTS[2], None) == 0  # nor does the unsalted scope see either
+    assert cached(PROMPTS[1] + [0], "alice") == 32
+    assert cached(PROMPTS[2] + [0], "bob") == 32
+    with pytest.raises(ConfigError, match="cache_salt"):
+        GenerationConfig(cache_salt="")

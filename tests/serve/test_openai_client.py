@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 
 from helpers import run_cli
@@ -167,6 +168,15 @@ def test_a_shared_system_prompt_is_served_from_the_prefix_cache(tiny_loaded):
         assert second.cached_tokens >= 64 and second.cached_tokens % 16 == 0
         assert metric(live, "prefix_cache_hits_total") == second.cached_tokens
         assert metric(live, "prefix_cache_queries_total") == sum(o.usage.prompt_tokens for o in outs)
+        salted = [  # another tenant's scope: nothing reused until it has stored its own
+            client.chat.completions.create(
+                model="tiny", messages=asks[1], max_tokens=12, temperature=0, extra_body={"cache_salt": "tenant-b"}
+            ).usage.prompt_tokens_details
+            for _ in range(2)
+        ]
+        assert (salted[0] is None or not salted[0].cached_tokens) and salted[1].cached_tokens >= 64
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            client.chat.completions.create(model="tiny", messages=asks[1], max_tokens=2, extra_body={"cache_salt": 5})
     finally:
         live.stop()
     cold = SpeculativeGenerator(tiny_loaded, method="none", prefix_cache_mb=0)

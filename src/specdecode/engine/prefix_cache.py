@@ -9,7 +9,9 @@ approximation: the model declares the split at which a prefill is bitwise one fo
 the same with the cache and without (greedy identical, sampled draws identical under a seed).
 
 The store is shared explicitly: an engine owns one, or is handed one (a ``Decoder`` gives all its
-runs the same), bounded in bytes with least-recently-used eviction. Only the target's cache is
+runs the same), bounded in bytes with least-recently-used eviction. Entries carry the storing
+request's ``cache_salt`` and serve only requests with the same one: a shared prefix is
+otherwise visible to another user through timing (vLLM's ``cache_salt`` answers the same). Only the target's cache is
 stored; a proposer's own state (a draft model's cache) still reads the prompt itself.
 """
 
@@ -30,6 +32,7 @@ class _Entry:
     tokens: torch.Tensor  # [n] int64: the sequence whose positions these are
     keys: torch.Tensor  # [layers, batch, kv_heads, n, head_dim]
     values: torch.Tensor
+    salt: str | None  # the scope it serves
 
     @property
     def nbytes(self) -> int:
@@ -55,13 +58,13 @@ class PrefixCache:
         self.bytes = 0
         self.lookups = self.hits = self.hit_tokens = 0
 
-    def match(self, tokens: Sequence[int], limit: int) -> int:
-        """Positions a prompt ``tokens`` could take from the store: the longest stored common
-        prefix, cut to ``limit`` and down to a multiple of ``align`` (0 where none)."""
+    def match(self, tokens: Sequence[int], limit: int, salt: str | None = None) -> int:
+        """Positions a prompt ``tokens`` could take from the store: the longest common prefix
+        stored under ``salt``, cut to ``limit`` and down to a multiple of ``align`` (0: none)."""
         with self._lock:
-            return self._best(torch.as_tensor(list(tokens), dtype=torch.long), limit)[0]
+            return self._best(torch.as_tensor(list(tokens), dtype=torch.long), limit, salt)[0]
 
-    def load(self, cache, tokens: Sequence[int], n: int) -> int:
+    def load(self, cache, tokens: Sequence[int], n: int, salt: str | None = None) -> int:
         """Copy the stored keys/values of ``tokens[:n]`` into the empty ``cache``; the positions
         loaded (``n``, or 0 where no entry holds them any more: it may have been evicted since
         :meth:`match`)."""
@@ -69,7 +72,7 @@ class PrefixCache:
             self.lookups += 1
             if n < self.align:
                 return 0
-            length, key = self._best(torch.as_tensor(list(tokens[:n]), dtype=torch.long), n)
+            length, key = self._best(torch.as_tensor(list(tokens[:n]), dtype=torch.long), n, salt)
             if length < n:
                 return 0
             entry = self._entries[key]
@@ -79,7 +82,7 @@ class PrefixCache:
             self.hit_tokens += n
             return n
 
-    def store(self, tokens: Sequence[int], cache) -> None:
+    def store(self, tokens: Sequence[int], cache, salt: str | None = None) -> None:
         """Keep the positions of ``tokens`` (``cache`` holds them, possibly more) for later
         prompts: up to the last multiple of ``align``. An entry this one extends is dropped (the
         new one serves every prompt it served); one that extends this one is kept instead."""
@@ -90,14 +93,14 @@ class PrefixCache:
         with self._lock:
             for key, entry in list(self._entries.items()):
                 m = min(n, entry.tokens.numel())
-                if not torch.equal(entry.tokens[:m], ids[:m]):
+                if entry.salt != salt or not torch.equal(entry.tokens[:m], ids[:m]):
                     continue
                 if entry.tokens.numel() >= n:  # already held
                     self._entries.move_to_end(key)
                     return
                 self._drop(key)  # extended by the new sequence
         keys, values = cache.export(n)
-        entry = _Entry(ids, keys, values)
+        entry = _Entry(ids, keys, values, salt)
         if entry.nbytes > self.max_bytes:
             return
         with self._lock:
@@ -119,12 +122,12 @@ class PrefixCache:
                 "hit_tokens": self.hit_tokens,
             }
 
-    def _best(self, ids: torch.Tensor, limit: int) -> tuple[int, int]:
-        """(aligned common-prefix length, entry key) of the entry sharing most of ``ids``."""
+    def _best(self, ids: torch.Tensor, limit: int, salt: str | None) -> tuple[int, int]:
+        """(aligned common-prefix length, entry key) of the entry under ``salt`` sharing most of ``ids``."""
         best, best_key = 0, -1
         for key, entry in self._entries.items():
             m = min(ids.numel(), entry.tokens.numel(), limit)
-            if m <= best:
+            if m <= best or entry.salt != salt:
                 continue
             differ = (entry.tokens[:m] != ids[:m]).nonzero()
             common = m if differ.numel() == 0 else int(differ[0, 0])

@@ -38,8 +38,13 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: int | None = None  # None: none; n: each emitted token's logprob and the top n alternatives
+    # Prefix-cache scope: a request reuses only prefixes stored by requests with the same salt
+    # (None: the shared, unsalted scope), so one tenant's prompts never speed up another's.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ConfigError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):

@@ -258,12 +258,12 @@ class Engine:
         features needs every prompt forward, so its requests prefill in full."""
         if self.prefixes is None or r.reads_features or len(r.prompt_ids) <= self.prefixes.align:
             return
-        prompt, last = r.prompt_ids, len(r.prompt_ids) - 1
-        n = self.prefixes.match(prompt, last)
+        prompt, last, salt = r.prompt_ids, len(r.prompt_ids) - 1, r.config.cache_salt
+        n = self.prefixes.match(prompt, last, salt)
         while n and not self._split_exact(n, last):
             n -= self.prefixes.align
         if n:
-            r.reuse(self.prefixes.load(r.cache, prompt, n))
+            r.reuse(self.prefixes.load(r.cache, prompt, n, salt))
 
     def _split_exact(self, n: int, last: int) -> bool:
         """Whether prompt rows ``[n, last)`` prefill as they would from 0: the chunk that now
@@ -275,7 +275,7 @@ class Engine:
 
     def _keep_prefix(self, r: Request, tokens: list[int]) -> None:
         if self.prefixes is not None and r.cache is not None:
-            self.prefixes.store(tokens, r.cache)
+            self.prefixes.store(tokens, r.cache, r.config.cache_salt)
 
     def _prefill_rows(self) -> list[Row]:
         """Prompt chunks for this step, first come first served, within the token budget."""

@@ -55,6 +55,9 @@ class _Generation(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeSettings | Literal[False] | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        None, description="prefix-cache scope: reuse only prompt prefixes stored by requests with this salt"
+    )
 
 
 class ContentPart(_Request):

@@ -212,7 +212,12 @@ class ServerState:
         seed = None if body.seed is None else body.seed + index
         logprobs = _logprobs_wanted(body)
         return GenerationConfig(
-            max_new_tokens=max_tokens, sampling=sampling, stop_strings=stop, seed=seed, logprobs=logprobs
+            max_new_tokens=max_tokens,
+            sampling=sampling,
+            stop_strings=stop,
+            seed=seed,
+            logprobs=logprobs,
+            cache_salt=body.cache_salt,
         )
 
     def methods(self) -> list[str]:
