@@ -48,6 +48,7 @@ from typing import Any, Protocol
 from specdecode.bench.workload import WorkItem, default_workload_path, load_workload
 from specdecode.core.dtypes import DTYPE_CHOICES, DTYPE_HELP
 from specdecode.engine.policy import BatchTableK
+from specdecode.engine.scheduler import EngineConfig
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import METHODS, method_spec, parse_option
 
@@ -146,9 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", default="0", help="prompt sample, arrivals and sampling seed (default 0)")
     p.add_argument(
         "--prefix-cache-mb",
-        default="256",
+        default=str(EngineConfig.prefix_cache_mb),
         help="in-process engine: memory for prompt prefixes reused across a cell's requests (a shared system "
-        "prompt); 0: every prompt prefilled in full (default 256)",
+        f"prompt); 0: every prompt prefilled in full (default {EngineConfig.prefix_cache_mb})",
     )
     p.add_argument(
         "--url",
@@ -224,7 +225,7 @@ class Options:
     draft: str | None = None  # a draft model for draft / hybrid arms, loaded once beside the target
     slo_ms: tuple[float, float] = (2000.0, 200.0)  # (TTFT, TPOT) a request must meet to count as goodput
     repeats: int = 1  # runs of every cell, interleaved; throughput pooled, latencies of the median run
-    prefix_cache_mb: int = 256  # the engine's prefix store (0: off)
+    prefix_cache_mb: int = EngineConfig.prefix_cache_mb  # the engine's prefix store (0: off)
 
     def requests_for(self, point: LoadPoint) -> int:
         if self.requests is not None:

@@ -55,8 +55,7 @@ class Decoder:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.memory = PlannerMemory()
-        align = target.caps.prefix_align
-        self.prefixes = PrefixCache(prefix_cache_mb << 20, align) if align and prefix_cache_mb else None
+        self.prefixes = PrefixCache.for_target(target, prefix_cache_mb)
 
     def engine(self, config: EngineConfig | None = None) -> Engine:
         """An engine over this decoder's target (submit many requests with ``self.spec``)."""

@@ -58,6 +58,13 @@ class PrefixCache:
         self.bytes = 0
         self.lookups = self.hits = self.hit_tokens = 0
 
+    @classmethod
+    def for_target(cls, target, max_mb: int) -> "PrefixCache | None":
+        """A store of ``max_mb`` MiB aligned as ``target`` declares; None where it cannot reuse
+        prefixes (``caps.prefix_align`` 0) or ``max_mb`` is 0."""
+        align = target.caps.prefix_align
+        return cls(max_mb << 20, align) if align and max_mb else None
+
     def match(self, tokens: Sequence[int], limit: int, salt: str | None = None) -> int:
         """Positions a prompt ``tokens`` could take from the store: the longest common prefix
         stored under ``salt``, cut to ``limit`` and down to a multiple of ``align`` (0: none)."""

@@ -117,11 +117,10 @@ class Engine:
         self._next_id = 0
 
     def _prefix_store(self, given: PrefixCache | None) -> PrefixCache | None:
+        own = PrefixCache.for_target(self.target, self.config.prefix_cache_mb)
+        if own is None or given is None:
+            return own
         align = self.target.caps.prefix_align
-        if not align or self.config.prefix_cache_mb == 0:
-            return None
-        if given is None:
-            return PrefixCache(self.config.prefix_cache_mb << 20, align)
         if given.align % align:
             raise ConfigError(f"a prefix store aligned to {given.align} cannot serve a target aligned to {align}")
         return given

@@ -45,27 +45,19 @@ def _k(text: str) -> int | str:
     return value
 
 
-def _positive(kind: type):
+def _positive(kind: type, allow_zero: bool = False):
+    """An argparse type: a ``kind`` number above 0 (or at least 0 with ``allow_zero``)."""
+
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if allow_zero else '>'} 0, got {text}")
         return value
 
     return parse
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=_positive(int), default=512, help="prompt tokens per step")
     p.add_argument(
         "--prefix-cache-mb",
-        type=_non_negative_int,
+        type=_positive(int, allow_zero=True),
         default=EngineConfig.prefix_cache_mb,
         help="memory for stored prompt prefixes that later prompts starting the same way (a system prompt, a "
         "conversation so far) reuse instead of prefilling; 0: off (default %(default)s)",
