@@ -13,6 +13,7 @@ from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, Engine, EngineConfig, GenerationConfig, Speculation
 from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.errors import ConfigError
+from specdecode.models import int8dot, native
 from specdecode.models.native import NativeCausalLM
 from specdecode.models.static_cache import StaticKVCache
 from specdecode.proposers import NgramProposer
@@ -49,6 +50,7 @@ def test_the_longest_aligned_common_prefix_is_loaded_bitwise():
     assert store.match(SHARED[:20] + [(SHARED[20] + 1) % 6], limit=100) == 16
     assert store.match(SHARED, limit=20) == 16  # never past the limit (the prompt's last token)
     assert store.match([(SHARED[0] + 1) % 6] + SHARED[1:], limit=100) == 0
+    assert store.match(SHARED, limit=100, paths=[False] * 20 + [True] * 20) == 16  # computed elsewhere from 20 on
     fresh = StaticKVCache(2, 2, 4, 64, torch.float32)
     assert store.load(fresh, SHARED + [3], 32) == 32
     assert fresh.length == 32
@@ -234,3 +236,29 @@ def test_a_salted_request_reuses_only_prefixes_stored_under_its_salt(folder):
     assert cached(PROMPTS[2] + [0], "bob") == 32
     with pytest.raises(ConfigError, match="cache_salt"):
         GenerationConfig(cache_salt="")
+
+
+@pytest.mark.skipif(
+    not int8dot.available() or not native._packing_works(torch.randn(8, 8).bfloat16()),
+    reason="needs the int8dot kernels and oneDNN's bf16 packing",
+)
+def test_a_prefix_computed_on_another_kernel_path_is_not_reused(tmp_path):
+    """A target reading prompt chunks of 32+ rows on bf16 copies computed a long prompt's rows
+    there; a short prompt's rows are computed on the int8dot kernels, so its start must not come
+    from the long prompt's entry even though the tokens agree (it would change its bits)."""
+    from helpers import wide_checkpoint
+
+    wide_checkpoint(tmp_path)
+    target = NativeCausalLM.from_pretrained(tmp_path, quant="w4a8", prompt_copies=True)
+    assert target.caps.prefix_rest == native.PROMPT_ROWS_MIN
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(0, 16, (40,), generator=g).tolist()
+    long, short = shared + [1, 2, 3, 4, 5, 6, 7], shared[:20] + [8, 9, 10]  # 46 and 22 rows to prefill
+    config = GenerationConfig(max_new_tokens=6, logprobs=2)
+    cold = _runs(Decoder(target, None, prefix_cache_mb=0), [short, long], config)
+    warm = _runs(Decoder(target, None), [long, short, long + [0, 1]], config)
+    assert warm[1][:2] == cold[0][:2]  # tokens and logprobs bitwise as without the store
+    assert warm[0][:2] == cold[1][:2]
+    # The long prompt's rows serve a prompt whose rows are on its path (16 of 48, so that 32 rows
+    # after them stay on the copies), never the short one's.
+    assert [c for *_, c in warm] == [0, 0, 16]

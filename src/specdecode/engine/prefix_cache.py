@@ -13,6 +13,12 @@ runs the same), bounded in bytes with least-recently-used eviction. Entries carr
 request's ``cache_salt`` and serve only requests with the same one: a shared prefix is
 otherwise visible to another user through timing (vLLM's ``cache_salt`` answers the same). Only the target's cache is
 stored; a proposer's own state (a draft model's cache) still reads the prompt itself.
+
+Entries also carry the kernel path each position was computed on, where a model computes long
+prompt chunks on another path than other rows (``ModelCaps.prefix_rest``: bf16 prompt copies):
+a position serves a later sequence only where that sequence, prefilled without the store, would
+compute it on the same path. Tokens alone would let a long prompt's rows, computed on the prompt
+path, stand in for a short prompt's, which its own prefill computes on the decode kernels.
 """
 
 from __future__ import annotations
@@ -33,16 +39,19 @@ class _Entry:
     keys: torch.Tensor  # [layers, batch, kv_heads, n, head_dim]
     values: torch.Tensor
     salt: str | None  # the scope it serves
+    paths: torch.Tensor  # [n] bool: the kernel path each position was computed on (see the module notes)
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + self.tokens.nbytes
+        return self.keys.nbytes + self.values.nbytes + self.tokens.nbytes + self.paths.nbytes
 
 
 class PrefixCache:
     """Stored key/value prefixes of earlier sequences, at most ``max_bytes`` of them.
 
     ``align``: stored and reused lengths are multiples of it (the target's ``prefix_align``).
+    ``paths`` (every method; None: one path throughout) gives each position's kernel path, True
+    for rows of a prompt chunk on the model's prompt path: positions match only on both.
     Thread-safe: engines on several threads (a generator called from many) may share one.
     """
 
@@ -65,13 +74,14 @@ class PrefixCache:
         align = target.caps.prefix_align
         return cls(max_mb << 20, align) if align and max_mb else None
 
-    def match(self, tokens: Sequence[int], limit: int, salt: str | None = None) -> int:
+    def match(self, tokens: Sequence[int], limit: int, salt: str | None = None, paths: Paths = None) -> int:
         """Positions a prompt ``tokens`` could take from the store: the longest common prefix
-        stored under ``salt``, cut to ``limit`` and down to a multiple of ``align`` (0: none)."""
+        stored under ``salt`` (on the same ``paths``), cut to ``limit`` and down to a multiple of
+        ``align`` (0: none)."""
         with self._lock:
-            return self._best(torch.as_tensor(list(tokens), dtype=torch.long), limit, salt)[0]
+            return self._best(*_keyed(tokens, paths), limit, salt)[0]
 
-    def load(self, cache, tokens: Sequence[int], n: int, salt: str | None = None) -> int:
+    def load(self, cache, tokens: Sequence[int], n: int, salt: str | None = None, paths: Paths = None) -> int:
         """Copy the stored keys/values of ``tokens[:n]`` into the empty ``cache``; the positions
         loaded (``n``, or 0 where no entry holds them any more: it may have been evicted since
         :meth:`match`)."""
@@ -79,7 +89,7 @@ class PrefixCache:
             self.lookups += 1
             if n < self.align:
                 return 0
-            length, key = self._best(torch.as_tensor(list(tokens[:n]), dtype=torch.long), n, salt)
+            length, key = self._best(*_keyed(tokens[:n], None if paths is None else paths[:n]), n, salt)
             if length < n:
                 return 0
             entry = self._entries[key]
@@ -89,25 +99,26 @@ class PrefixCache:
             self.hit_tokens += n
             return n
 
-    def store(self, tokens: Sequence[int], cache, salt: str | None = None) -> None:
+    def store(self, tokens: Sequence[int], cache, salt: str | None = None, paths: Paths = None) -> None:
         """Keep the positions of ``tokens`` (``cache`` holds them, possibly more) for later
         prompts: up to the last multiple of ``align``. An entry this one extends is dropped (the
         new one serves every prompt it served); one that extends this one is kept instead."""
         n = min(len(tokens), cache.length) // self.align * self.align
         if n == 0 or self.max_bytes == 0:
             return
-        ids = torch.as_tensor(list(tokens[:n]), dtype=torch.long)
+        ids, tags = _keyed(tokens[:n], None if paths is None else paths[:n])
         with self._lock:
             for key, entry in list(self._entries.items()):
                 m = min(n, entry.tokens.numel())
-                if entry.salt != salt or not torch.equal(entry.tokens[:m], ids[:m]):
+                same = torch.equal(entry.tokens[:m], ids[:m]) and torch.equal(entry.paths[:m], tags[:m])
+                if entry.salt != salt or not same:
                     continue
                 if entry.tokens.numel() >= n:  # already held
                     self._entries.move_to_end(key)
                     return
                 self._drop(key)  # extended by the new sequence
         keys, values = cache.export(n)
-        entry = _Entry(ids, keys, values, salt)
+        entry = _Entry(ids, keys, values, salt, tags)
         if entry.nbytes > self.max_bytes:
             return
         with self._lock:
@@ -129,14 +140,15 @@ class PrefixCache:
                 "hit_tokens": self.hit_tokens,
             }
 
-    def _best(self, ids: torch.Tensor, limit: int, salt: str | None) -> tuple[int, int]:
-        """(aligned common-prefix length, entry key) of the entry under ``salt`` sharing most of ``ids``."""
+    def _best(self, ids: torch.Tensor, tags: torch.Tensor, limit: int, salt: str | None) -> tuple[int, int]:
+        """(aligned common-prefix length, entry key) of the entry under ``salt`` sharing most of
+        ``ids`` computed on the paths ``tags``."""
         best, best_key = 0, -1
         for key, entry in self._entries.items():
             m = min(ids.numel(), entry.tokens.numel(), limit)
             if m <= best or entry.salt != salt:
                 continue
-            differ = (entry.tokens[:m] != ids[:m]).nonzero()
+            differ = ((entry.tokens[:m] != ids[:m]) | (entry.paths[:m] != tags[:m])).nonzero()
             common = m if differ.numel() == 0 else int(differ[0, 0])
             common = common // self.align * self.align
             if common > best:
@@ -145,6 +157,20 @@ class PrefixCache:
 
     def _drop(self, key: int) -> None:
         self.bytes -= self._entries.pop(key).nbytes
+
+
+Paths = Sequence[bool] | None
+
+
+def _keyed(tokens: Sequence[int], paths: Paths) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` [n] int64 and their positions' paths [n] bool (all False where not given)."""
+    ids = torch.as_tensor(list(tokens), dtype=torch.long)
+    if paths is None:
+        return ids, torch.zeros(ids.numel(), dtype=torch.bool)
+    tags = torch.as_tensor(list(paths), dtype=torch.bool)
+    if tags.numel() != ids.numel():
+        raise ValueError(f"{ids.numel()} tokens need as many paths, got {tags.numel()}")
+    return ids, tags
 
 
 __all__ = ["PrefixCache"]

@@ -258,11 +258,12 @@ class Engine:
         if self.prefixes is None or r.reads_features or len(r.prompt_ids) <= self.prefixes.align:
             return
         prompt, last, salt = r.prompt_ids, len(r.prompt_ids) - 1, r.config.cache_salt
-        n = self.prefixes.match(prompt, last, salt)
+        paths = self._cold_paths(len(prompt), len(prompt))
+        n = self.prefixes.match(prompt, last, salt, paths)
         while n and not self._split_exact(n, last):
             n -= self.prefixes.align
         if n:
-            r.reuse(self.prefixes.load(r.cache, prompt, n, salt))
+            r.reuse(self.prefixes.load(r.cache, prompt, n, salt, paths))
 
     def _split_exact(self, n: int, last: int) -> bool:
         """Whether prompt rows ``[n, last)`` prefill as they would from 0: the chunk that now
@@ -272,9 +273,21 @@ class Engine:
         end = min(start + chunk, last)
         return end - n == 0 or end - n >= rest or end - start < rest
 
+    def _cold_paths(self, prompt_length: int, n: int) -> list[bool] | None:
+        """The kernel path of a sequence's first ``n`` positions as its prefill without the store
+        computes them (True: a prompt chunk of ``prefix_rest``+ rows, on the target's prompt
+        path), where its prompt is ``prompt_length`` long; None where the target has one path.
+        The rows taken from the store agree with these, so every entry's positions do as well."""
+        chunk, rest = self.config.prefill_chunk, self.target.caps.prefix_rest
+        if rest <= 1:
+            return None
+        last = prompt_length - 1  # the prompt's last token goes with the first round, not a chunk
+        return [i < last and min(chunk, last - i // chunk * chunk) >= rest for i in range(n)]
+
     def _keep_prefix(self, r: Request, tokens: list[int]) -> None:
         if self.prefixes is not None and r.cache is not None:
-            self.prefixes.store(tokens, r.cache, r.config.cache_salt)
+            paths = self._cold_paths(len(r.prompt_ids), len(tokens))
+            self.prefixes.store(tokens, r.cache, r.config.cache_salt, paths)
 
     def _prefill_rows(self) -> list[Row]:
         """Prompt chunks for this step, first come first served, within the token budget."""
