@@ -11,10 +11,10 @@ import torch
 from helpers import tiny_llama
 from specdecode.core.sampling import SamplingConfig
 from specdecode.engine import Decoder, Engine, EngineConfig, GenerationConfig, Speculation
-from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.errors import ConfigError
 from specdecode.models import int8dot, native
 from specdecode.models.native import NativeCausalLM
+from specdecode.models.prefix_cache import PrefixCache
 from specdecode.models.static_cache import StaticKVCache
 from specdecode.proposers import NgramProposer
 
@@ -262,3 +262,82 @@ def test_a_prefix_computed_on_another_kernel_path_is_not_reused(tmp_path):
     # The long prompt's rows serve a prompt whose rows are on its path (16 of 48, so that 32 rows
     # after them stay on the copies), never the short one's.
     assert [c for *_, c in warm] == [0, 0, 16]
+
+
+# -- a draft model's own store -----------------------------------------------------------------
+def _draft_pair(folder, dtype=torch.float32):
+    from specdecode.proposers import DraftModelProposer
+
+    target = NativeCausalLM.from_pretrained(folder, dtype=dtype)
+    draft = NativeCausalLM.from_pretrained(folder, dtype=dtype)  # its own instance (and store)
+    return target, draft, DraftModelProposer(draft)
+
+
+def test_a_draft_reads_from_its_own_store_and_writes_its_cache_bitwise_as_a_cold_read(folder):
+    """The draft's read of a prompt whose start an earlier request's draft read: the stored
+    positions are copied (to a multiple of 16 in fp32) and the cache equals a cold read's."""
+    from specdecode.models.prefix_cache import PrefixScope
+
+    _, draft, proposer = _draft_pair(folder)
+    scope = PrefixScope(PrefixCache(1 << 20, align=16))
+    first = proposer.start(PROMPTS[0], prefix_scope=scope)
+    first.catch_up(PROMPTS[0] + [1])
+    second = proposer.start(PROMPTS[1], prefix_scope=scope)
+    second.catch_up(PROMPTS[1] + [1])
+    cold = proposer.start(PROMPTS[1])
+    cold.catch_up(PROMPTS[1] + [1])
+    assert (first.stats(), second.stats(), cold.stats()) == (
+        {"draft_cached_tokens": 0},
+        {"draft_cached_tokens": 32},
+        {"draft_cached_tokens": 0},
+    )
+    n = len(PROMPTS[1])
+    assert second.cache.length == cold.cache.length == n
+    assert torch.equal(second.cache.keys[..., :n, :], cold.cache.keys[..., :n, :])
+    assert torch.equal(second.cache.values[..., :n, :], cold.cache.values[..., :n, :])
+    other = proposer.start(PROMPTS[2], prefix_scope=PrefixScope(scope.store, salt="alice"))
+    other.catch_up(PROMPTS[2] + [1])
+    assert other.stats() == {"draft_cached_tokens": 0}  # stored unsalted: another scope
+
+
+def test_a_draft_store_that_ignored_the_alignment_would_be_caught(folder):
+    """The broken variant: an fp32 draft's positions reused at any length differ in their last
+    bits from a cold read's, which the comparison above sees."""
+    from specdecode.models.prefix_cache import PrefixScope
+
+    _, draft, proposer = _draft_pair(folder)
+    draft.caps = dataclasses.replace(draft.caps, prefix_align=1)
+    scope = PrefixScope(PrefixCache(1 << 20, align=16))
+    proposer.start(PROMPTS[0], prefix_scope=scope).catch_up(PROMPTS[0] + [1])
+    second = proposer.start(PROMPTS[1], prefix_scope=scope)
+    second.catch_up(PROMPTS[1] + [1])
+    cold = proposer.start(PROMPTS[1])
+    cold.catch_up(PROMPTS[1] + [1])
+    assert second.stats() == {"draft_cached_tokens": 40}
+    n = len(PROMPTS[1])  # the rows read after the 40 copied ones, from offset 40, not 0
+    assert not torch.equal(second.cache.keys[..., :n, :], cold.cache.keys[..., :n, :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", CONFIGS, ids=["greedy", "sampled"])
+def test_a_draft_models_store_keeps_every_token_and_logprob_of_a_conversation(folder, dtype, config):
+    """Draft-model decoding over a system prompt and a conversation's next turn: the same tokens,
+    logprobs and sampled draws with the stores on and off. The draft stores whole turns where its
+    rows are exact (bf16), else its prompt reads."""
+    target, _, proposer = _draft_pair(folder, dtype)
+    config = dataclasses.replace(config, max_new_tokens=24)  # a first turn past 64 positions
+
+    def conversation(decoder):
+        out = _runs(decoder, PROMPTS[:2], config)
+        turn = PROMPTS[1] + out[1][0] + [0, 1, 2, 3]
+        run = decoder.run(turn, config)
+        events = list(run)
+        result = run.result()
+        return out + [(result.token_ids, [e.logprobs for e in events], result.stats["cached_tokens"])], result.stats
+
+    cold, cold_stats = conversation(Decoder(target, proposer, k=3, prefix_cache_mb=0))
+    warm, stats = conversation(Decoder(target, proposer, k=3))
+    assert [(t, lp) for t, lp, _ in warm] == [(t, lp) for t, lp, _ in cold]
+    assert cold_stats["draft_cached_tokens"] == 0
+    assert [c for *_, c in warm][:2] == [0, 32]
+    assert stats["draft_cached_tokens"] == (64 if proposer.model.caps.row_exact else 48)  # 73 in turn 1

@@ -7,7 +7,6 @@ from typing import Any
 
 from specdecode.engine.planner import PlannerMemory
 from specdecode.engine.policy import KPolicy
-from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.engine.request import (
     GenerationConfig,
     GenerationResult,
@@ -18,6 +17,7 @@ from specdecode.engine.request import (
 )
 from specdecode.engine.scheduler import Engine, EngineConfig
 from specdecode.models.base import CausalLM
+from specdecode.models.prefix_cache import PrefixCache
 from specdecode.proposers.base import Proposer
 
 

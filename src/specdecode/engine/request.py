@@ -26,6 +26,7 @@ from specdecode.engine.shadow import ShadowTracker
 from specdecode.errors import ConfigError, InputError
 from specdecode.metrics import RequestMetrics
 from specdecode.models.base import CausalLM, KVCache
+from specdecode.models.prefix_cache import PrefixScope
 from specdecode.proposers.base import ROUND_FEED, SINGLE, Proposer, Source
 
 
@@ -207,14 +208,17 @@ class Request:
             extra = self.spec.tree.max_nodes + 1 + 32  # nodes, root, a side branch
         return len(self.prompt_ids) + self.config.max_new_tokens + extra
 
-    def admit(self) -> None:
-        """Allocate the cache and per-request state; the request starts prefilling."""
+    def admit(self, prefix_scope: PrefixScope | None = None) -> None:
+        """Allocate the cache and per-request state; the request starts prefilling. The proposer
+        state gets ``prefix_scope`` (the engine's prefix stores, under this request's salt)."""
         seed = self.config.seed if self.config.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
         self.cache = self.target.new_cache(self.capacity)
         self.context = list(self.prompt_ids)
         spec = self.spec
-        self.proposer = spec.proposer.start(self.prompt_ids, self.cache) if spec.proposer is not None else None
+        self.proposer = (
+            None if spec.proposer is None else spec.proposer.start(self.prompt_ids, self.cache, prefix_scope)
+        )
         self.shadow = ShadowTracker(self.proposer, spec.k_max, self.config.sampling) if spec.shadow else None
         self.enter(self.next_source())
         self.reads_features = self.proposer is not None and self.proposer.caps.reads_target_features

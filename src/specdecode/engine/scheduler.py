@@ -23,7 +23,6 @@ import torch
 
 from specdecode.engine.planner import AcceptanceHistory, Candidate, PlannerMemory, ScoreCalibration, plan
 from specdecode.engine.policy import PlannedPolicy
-from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.engine.request import (
     DONE,
     PREFILL,
@@ -37,6 +36,7 @@ from specdecode.engine.request import (
 )
 from specdecode.errors import ConfigError, InputError, QueueFullError
 from specdecode.models.base import CausalLM
+from specdecode.models.prefix_cache import PrefixCache, PrefixScope
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class EngineConfig:
     ``prefill_chunk``: prompt tokens fed per step across prefilling requests; a prompt is cut
     into chunks of this size at fixed offsets (so its cache is the same whatever else runs)
     and at least one chunk moves every step.
-    ``prefix_cache_mb``: memory for stored prompt prefixes (:mod:`specdecode.engine.prefix_cache`)
+    ``prefix_cache_mb``: memory for stored prompt prefixes (:mod:`specdecode.models.prefix_cache`)
     where the engine is not handed a store; 0 turns prefix caching off, a handed store too.
     """
 
@@ -245,7 +245,7 @@ class Engine:
             if budget is not None and self.reserved + r.capacity > budget:
                 break  # first come, first served: later requests wait too
             self.waiting.popleft()
-            r.admit()
+            r.admit(None if self.prefixes is None else PrefixScope(self.prefixes, r.config.cache_salt))
             self._reuse_prefix(r)
             self._start_from_history(r)
             self.reserved += r.capacity

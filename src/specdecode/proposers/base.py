@@ -16,6 +16,7 @@ import torch
 
 from specdecode.core.sampling import SamplingConfig
 from specdecode.core.verify import Draft
+from specdecode.models.prefix_cache import PrefixScope
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,14 @@ class Proposer(Protocol):
     name: str
     caps: ProposerCaps
 
-    def start(self, prompt_ids: list[int], target_cache: object | None = None) -> "Proposer":
-        """A fresh per-request state for a request whose prompt is ``prompt_ids`` (self unchanged)."""
+    def start(
+        self, prompt_ids: list[int], target_cache: object | None = None, prefix_scope: PrefixScope | None = None
+    ) -> "Proposer":
+        """A fresh per-request state for a request whose prompt is ``prompt_ids`` (self unchanged).
+
+        ``prefix_scope``: the request's part in the engine's prefix stores (None: none). A state
+        that reads the context into a model cache of its own (a draft model) may take stored
+        positions from it instead, and store what it read, under the request's salt."""
         ...
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
@@ -122,9 +129,12 @@ class PerRequest:
 
     caps: ClassVar[ProposerCaps] = ProposerCaps()
 
-    def start(self, prompt_ids: list[int], target_cache: object | None = None):
+    prefix_scope: PrefixScope | None = None
+
+    def start(self, prompt_ids: list[int], target_cache: object | None = None, prefix_scope: PrefixScope | None = None):
         state = copy.copy(self)
         state._bind(target_cache)
+        state.prefix_scope = prefix_scope
         state.reset(list(prompt_ids))
         return state
 

@@ -17,6 +17,7 @@ from specdecode.core.sampling import (
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.base import CausalLM
+from specdecode.models.prefix_cache import one_read_paths
 from specdecode.proposers.base import ROUND_FEED, PerRequest, ProposerCaps
 
 SINK = 4  # first prompt tokens a windowed draft keeps: attention sinks (StreamingLLM, arXiv 2309.17453)
@@ -70,6 +71,7 @@ class DraftModelProposer(PerRequest):
         self.cached: list[int] = []  # tokens whose keys/values sit in the draft cache (of the view)
         self.agreed = 0  # cached[:agreed] is known to equal the view of the committed context
         self.skipped: tuple[int, int] = (0, 0)  # the slice of the context the draft never reads
+        self.reused = 0  # positions of this request's read taken from the prefix store
 
     def reset(self, prompt_ids: list[int]) -> None:
         # Caches grow on demand; start with room for the prompt and a typical answer. The prompt
@@ -80,6 +82,7 @@ class DraftModelProposer(PerRequest):
         self.cache = self.model.new_cache(min(self.max_length, len(prompt_ids) - self.dropped + 512))
         self.cached = []
         self.agreed = 0
+        self.reused = 0
 
     @property
     def dropped(self) -> int:
@@ -122,11 +125,30 @@ class DraftModelProposer(PerRequest):
         context = self._view(context)
         if len(context) - self._kept(context) <= ROUND_FEED:
             return
-        fresh = torch.tensor(self._fresh(context[:-1]), dtype=torch.long)
+        read = context[:-1]
+        scope, first = self.prefix_scope, not self.cached
+        if scope is not None and first:  # an earlier request read the same start: copy it
+            self.reused = scope.reuse(self.model, self.cache, read)
+            self.cached, self.agreed = read[: self.reused], self.reused
+        fresh = torch.tensor(self._fresh(read), dtype=torch.long)
+        if fresh.numel() == 0:
+            return
         if self.model.caps.rows:  # a prompt chunk: no logits wanted (and its fast path, if any)
             self.model.forward_rows([fresh], [self.cache], keep=[0])
         else:
             self.model.forward(fresh[None], self.cache, last_only=True)
+        if scope is not None and first:  # later requests starting the same way take it from here
+            scope.keep(self.model, read, self.cache, one_read_paths(len(read), self.model.caps.prefix_rest))
+
+    def finish(self, context: list[int]) -> None:
+        """Store the whole conversation read so far, where the model writes every position bitwise
+        alike however it was read (``caps.row_exact``): the next turn then starts from it."""
+        if self.prefix_scope is not None and self.model.caps.row_exact and self.cache is not None:
+            view = self._view(context)
+            self.prefix_scope.keep(self.model, view[: self._kept(view)], self.cache)
+
+    def stats(self) -> dict:
+        return {"draft_cached_tokens": self.reused}
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Bring the cache up to ``context``; the logits after its last token ([1, vocab])."""

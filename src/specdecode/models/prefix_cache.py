@@ -12,7 +12,8 @@ The store is shared explicitly: an engine owns one, or is handed one (a ``Decode
 runs the same), bounded in bytes with least-recently-used eviction. Entries carry the storing
 request's ``cache_salt`` and serve only requests with the same one: a shared prefix is
 otherwise visible to another user through timing (vLLM's ``cache_salt`` answers the same). Only the target's cache is
-stored; a proposer's own state (a draft model's cache) still reads the prompt itself.
+stored with the target's; a proposer with a model cache of its own (a draft model) gets a
+companion store for that model through the request's :class:`PrefixScope`, under the same salt.
 
 Entries also carry the kernel path each position was computed on, where a model computes long
 prompt chunks on another path than other rows (``ModelCaps.prefix_rest``: bf16 prompt copies):
@@ -55,12 +56,14 @@ class PrefixCache:
     Thread-safe: engines on several threads (a generator called from many) may share one.
     """
 
-    def __init__(self, max_bytes: int, align: int = 16) -> None:
+    def __init__(self, max_bytes: int, align: int = 16, token_bytes: int = 0) -> None:
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ConfigError(f"prefix cache size must be an integer >= 0 bytes, got {max_bytes!r}")
         if align < 1:
             raise ConfigError(f"prefix alignment must be >= 1, got {align}")
         self.max_bytes, self.align = max_bytes, align
+        self.token_bytes = token_bytes  # one position's keys and values in its model (0: not known)
+        self._companions: dict[int, tuple[object, PrefixCache | None]] = {}  # id(model) -> (model, store)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._next = 0
         self._lock = threading.Lock()
@@ -72,7 +75,19 @@ class PrefixCache:
         """A store of ``max_mb`` MiB aligned as ``target`` declares; None where it cannot reuse
         prefixes (``caps.prefix_align`` 0) or ``max_mb`` is 0."""
         align = target.caps.prefix_align
-        return cls(max_mb << 20, align) if align and max_mb else None
+        return cls(max_mb << 20, align, _token_bytes(target)) if align and max_mb else None
+
+    def companion(self, model) -> "PrefixCache | None":
+        """The store of another model's positions (a draft's) beside this one, made on first use
+        and shared from then on: as many tokens' worth of bytes as this store holds, aligned as
+        ``model`` declares; None where it cannot reuse prefixes."""
+        with self._lock:
+            if id(model) not in self._companions:
+                align, size = model.caps.prefix_align, self.max_bytes
+                if self.token_bytes:
+                    size = size * _token_bytes(model) // self.token_bytes
+                self._companions[id(model)] = (model, PrefixCache(size, align, _token_bytes(model)) if align else None)
+            return self._companions[id(model)][1]
 
     def match(self, tokens: Sequence[int], limit: int, salt: str | None = None, paths: Paths = None) -> int:
         """Positions a prompt ``tokens`` could take from the store: the longest common prefix
@@ -162,6 +177,51 @@ class PrefixCache:
 Paths = Sequence[bool] | None
 
 
+def _token_bytes(model) -> int:
+    cache = model.new_cache(1)
+    return cache.keys[..., :1, :].nbytes + cache.values[..., :1, :].nbytes
+
+
+def one_read_paths(rows: int, rest: int) -> list[bool] | None:
+    """The kernel paths of ``rows`` positions read in one prompt forward, by a model whose
+    chunks of ``rest``+ rows take the prompt path (``ModelCaps.prefix_rest``; None: one path)."""
+    return None if rest <= 1 else [rows >= rest] * rows
+
+
+@dataclass(frozen=True)
+class PrefixScope:
+    """A request's part in an engine's prefix stores: ``store`` (the target's, whose companions
+    serve the request's proposer) under the request's ``salt``.
+
+    A proposer with a model and cache of its own (a draft model) reads a prompt in one forward;
+    :meth:`reuse` gives it the stored positions that forward would compute bitwise the same, and
+    :meth:`keep` stores what it read for later requests.
+    """
+
+    store: PrefixCache
+    salt: str | None = None
+
+    def reuse(self, model, cache, tokens: Sequence[int]) -> int:
+        """Load into ``model``'s empty ``cache`` the longest stored prefix of ``tokens`` after
+        which the rest, read in one forward, is computed as reading all of ``tokens`` would be;
+        the positions loaded (0: none)."""
+        store = self.store.companion(model)
+        last, rest = len(tokens), model.caps.prefix_rest
+        if store is None or last <= store.align:
+            return 0
+        paths = one_read_paths(last, rest)
+        n = store.match(tokens, last, self.salt, paths)
+        while n and not (n == last or last - n >= rest or last < rest):  # the rest stays on its path
+            n -= store.align
+        return store.load(cache, tokens, n, self.salt, paths) if n else 0
+
+    def keep(self, model, tokens: Sequence[int], cache, paths: Paths = None) -> None:
+        """Store ``cache``'s positions of ``tokens`` (computed on ``paths``) for later requests."""
+        store = self.store.companion(model)
+        if store is not None:
+            store.store(tokens, cache, self.salt, paths)
+
+
 def _keyed(tokens: Sequence[int], paths: Paths) -> tuple[torch.Tensor, torch.Tensor]:
     """``tokens`` [n] int64 and their positions' paths [n] bool (all False where not given)."""
     ids = torch.as_tensor(list(tokens), dtype=torch.long)
@@ -173,4 +233,4 @@ def _keyed(tokens: Sequence[int], paths: Paths) -> tuple[torch.Tensor, torch.Ten
     return ids, tags
 
 
-__all__ = ["PrefixCache"]
+__all__ = ["PrefixCache", "PrefixScope", "one_read_paths"]
