@@ -116,6 +116,7 @@ def test_bench_writes_well_formed_outputs(bench_run):
         if row["method"] != "none" and row["temperature"] == 0:
             assert row["greedy_match"] == 1.0  # exact speculation: greedy output equals plain decoding
         assert 0 <= row["cached_tokens"] <= row["prompt_tokens"]  # prompt positions the prefix cache served
+        assert row["draft_cached_tokens"] == 0 or row["method"] == "draft"  # a draft model's own store
     overall = {r["cell"]: r for r in results["aggregates"] if r["category"] == "overall"}
     assert overall["ngram|k=2|T=0"]["cached_tokens"] == overall["none|k=0|T=0"]["cached_tokens"]  # same prompts
 

@@ -336,8 +336,12 @@ def test_a_draft_models_store_keeps_every_token_and_logprob_of_a_conversation(fo
         return out + [(result.token_ids, [e.logprobs for e in events], result.stats["cached_tokens"])], result.stats
 
     cold, cold_stats = conversation(Decoder(target, proposer, k=3, prefix_cache_mb=0))
-    warm, stats = conversation(Decoder(target, proposer, k=3))
+    decoder = Decoder(target, proposer, k=3)
+    warm, stats = conversation(decoder)
     assert [(t, lp) for t, lp, _ in warm] == [(t, lp) for t, lp, _ in cold]
     assert cold_stats["draft_cached_tokens"] == 0
     assert [c for *_, c in warm][:2] == [0, 32]
     assert stats["draft_cached_tokens"] == (64 if proposer.model.caps.row_exact else 48)  # 73 in turn 1
+    drafts = decoder.prefixes.companion_stats()  # the draft's store sits beside the target's
+    assert drafts["bytes"] > 0 and drafts["hit_tokens"] >= stats["draft_cached_tokens"]
+    assert decoder.engine().kv_usage()["draft_prefix_bytes"] == drafts["bytes"]

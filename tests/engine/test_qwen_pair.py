@@ -92,6 +92,25 @@ def test_draft_method_is_token_identical_to_plain(pair, prompts, plain, k):
     assert accepted > (len(prompts) * 4 if k == 4 else 0)
 
 
+def test_a_second_turn_takes_both_models_prefixes_from_their_stores_and_stays_exact(pair, prompts, plain):
+    """A conversation's next turn: the target and the 0.5B draft each copy the first turn from
+    their own prefix store instead of reading it again, and the tokens are plain decoding's."""
+    from specdecode.api import make_proposer
+
+    target, draft = pair
+    eos = target.eos_token_ids
+    decoder = Decoder(target.model, make_proposer("draft", target, draft), 4, eos_token_ids=eos)
+    assert decoder.generate(prompts[0], CFG).token_ids == plain[0]
+    turn = prompts[0] + plain[0] + prompts[1][-12:]  # the first turn, its answer, a follow-up
+    again = decoder.generate(turn, CFG)
+    assert (
+        again.token_ids
+        == Decoder(target.model, None, eos_token_ids=eos, prefix_cache_mb=0).generate(turn, CFG).token_ids
+    )
+    least = (len(prompts[0]) - 1) // 16 * 16  # at least the first prompt (its answer too where rows are exact)
+    assert again.stats["cached_tokens"] >= least and again.stats["draft_cached_tokens"] >= least
+
+
 def test_method_auto_uses_the_measured_choice_and_is_exact(pair, prompts, plain):
     """``auto`` on this target runs what its shipped card measured (with the 0.5B where that
     needs it, loaded by name), and stays exact."""

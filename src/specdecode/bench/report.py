@@ -202,6 +202,8 @@ def _row(
         "prompt_tokens": sum(int(r.get("prompt_tokens") or 0) for r in recs),
         # prompt positions taken from the prefix cache (ours; llama.cpp's cache_prompt reports none)
         "cached_tokens": sum(int(r["stats"].get("cached_tokens") or 0) for r in recs) if timed else None,
+        # positions of its draft model's own reads taken from the draft's store
+        "draft_cached_tokens": sum(int(r["stats"].get("draft_cached_tokens") or 0) for r in recs) if timed else None,
         "total_s": total,
         "tokens_per_s": _div(tokens, total),
         "ttft_s": _div(_sum(recs, "ttft_s"), len(recs)),
@@ -725,8 +727,12 @@ def _sources_lines(results: dict[str, Any], multi: bool) -> list[str]:
 
 def _cached_lines(results: dict[str, Any], multi: bool) -> list[str]:
     """How much of each cell's prompts the prefix cache served (overall), where it served any."""
-    rows = [r for r in _rows(results, OVERALL) if r.get("cached_tokens")]
-    parts = [f"{cell_label(r, multi)} {r['cached_tokens']} of {r['prompt_tokens']}" for r in rows]
+    rows = [r for r in _rows(results, OVERALL) if r.get("cached_tokens") or r.get("draft_cached_tokens")]
+    parts = [
+        f"{cell_label(r, multi)} {r['cached_tokens']} of {r['prompt_tokens']}"
+        + (f" (its draft model {r['draft_cached_tokens']})" if r.get("draft_cached_tokens") else "")
+        for r in rows
+    ]
     return ["Prompt tokens from the prefix cache: " + ", ".join(parts)] if parts else []
 
 

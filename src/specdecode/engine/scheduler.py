@@ -207,6 +207,8 @@ class Engine:
         if self.prefixes is not None:
             stats = self.prefixes.stats()
             out.update(prefix_bytes=stats["bytes"], prefix_hits=stats["hits"], prefix_tokens=stats["hit_tokens"])
+            drafts = self.prefixes.companion_stats()  # draft models' own stores
+            out.update(draft_prefix_bytes=drafts["bytes"], draft_prefix_tokens=drafts["hit_tokens"])
         return out
 
     # -- one step --------------------------------------------------------------------------------

@@ -155,6 +155,15 @@ class PrefixCache:
                 "hit_tokens": self.hit_tokens,
             }
 
+    def companion_stats(self) -> dict[str, int]:
+        """The companion stores' :meth:`stats`, summed."""
+        with self._lock:
+            stores = [store for _, store in self._companions.values() if store is not None]
+        out = dict.fromkeys(("entries", "bytes", "max_bytes", "lookups", "hits", "hit_tokens"), 0)
+        for stats in (store.stats() for store in stores):
+            out = {key: out[key] + stats[key] for key in out}
+        return out
+
     def _best(self, ids: torch.Tensor, tags: torch.Tensor, limit: int, salt: str | None) -> tuple[int, int]:
         """(aligned common-prefix length, entry key) of the entry under ``salt`` sharing most of
         ``ids`` computed on the paths ``tags``."""
