@@ -11,9 +11,10 @@ the same with the cache and without (greedy identical, sampled draws identical u
 The store is shared explicitly: an engine owns one, or is handed one (a ``Decoder`` gives all its
 runs the same), bounded in bytes with least-recently-used eviction. Entries carry the storing
 request's ``cache_salt`` and serve only requests with the same one: a shared prefix is
-otherwise visible to another user through timing (vLLM's ``cache_salt`` answers the same). Only the target's cache is
-stored with the target's; a proposer with a model cache of its own (a draft model) gets a
-companion store for that model through the request's :class:`PrefixScope`, under the same salt.
+otherwise visible to another user through timing (vLLM's ``cache_salt`` answers the same). A
+proposer with a model cache of its own (a draft model) gets a companion store for that model,
+made beside the target's and sized to as many tokens, through the request's
+:class:`PrefixScope`, under the same salt.
 
 Entries also carry the kernel path each position was computed on, where a model computes long
 prompt chunks on another path than other rows (``ModelCaps.prefix_rest``: bf16 prompt copies):
