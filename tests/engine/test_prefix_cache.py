@@ -283,7 +283,10 @@ def test_a_draft_reads_from_its_own_store_and_writes_its_cache_bitwise_as_a_cold
     first = proposer.start(PROMPTS[0], prefix_scope=scope)
     first.catch_up(PROMPTS[0] + [1])
     second = proposer.start(PROMPTS[1], prefix_scope=scope)
+    n = len(PROMPTS[1])
+    assert second.reads(0, n + 1) == n + 1 - 32  # the engine prices the read by what is left to read
     second.catch_up(PROMPTS[1] + [1])
+    assert second.reads(n, n + 1) == 1
     cold = proposer.start(PROMPTS[1])
     cold.catch_up(PROMPTS[1] + [1])
     assert (first.stats(), second.stats(), cold.stats()) == (
@@ -291,7 +294,6 @@ def test_a_draft_reads_from_its_own_store_and_writes_its_cache_bitwise_as_a_cold
         {"draft_cached_tokens": 32},
         {"draft_cached_tokens": 0},
     )
-    n = len(PROMPTS[1])
     assert second.cache.length == cold.cache.length == n
     assert torch.equal(second.cache.keys[..., :n, :], cold.cache.keys[..., :n, :])
     assert torch.equal(second.cache.values[..., :n, :], cold.cache.values[..., :n, :])

@@ -84,10 +84,13 @@ class PrefixCache:
         ``model`` declares; None where it cannot reuse prefixes."""
         with self._lock:
             if id(model) not in self._companions:
-                align, size = model.caps.prefix_align, self.max_bytes
-                if self.token_bytes:
-                    size = size * _token_bytes(model) // self.token_bytes
-                self._companions[id(model)] = (model, PrefixCache(size, align, _token_bytes(model)) if align else None)
+                align, store = model.caps.prefix_align, None
+                if align:
+                    size, per_token = self.max_bytes, _token_bytes(model)
+                    if self.token_bytes:
+                        size = size * per_token // self.token_bytes
+                    store = PrefixCache(size, align, per_token)
+                self._companions[id(model)] = (model, store)
             return self._companions[id(model)][1]
 
     def match(self, tokens: Sequence[int], limit: int, salt: str | None = None, paths: Paths = None) -> int:
@@ -211,19 +214,26 @@ class PrefixScope:
     store: PrefixCache
     salt: str | None = None
 
-    def reuse(self, model, cache, tokens: Sequence[int]) -> int:
-        """Load into ``model``'s empty ``cache`` the longest stored prefix of ``tokens`` after
-        which the rest, read in one forward, is computed as reading all of ``tokens`` would be;
-        the positions loaded (0: none)."""
+    def reusable(self, model, tokens: Sequence[int]) -> int:
+        """How many positions :meth:`reuse` would load for ``tokens`` now (for pricing a read)."""
         store = self.store.companion(model)
         last, rest = len(tokens), model.caps.prefix_rest
         if store is None or last <= store.align:
             return 0
-        paths = one_read_paths(last, rest)
-        n = store.match(tokens, last, self.salt, paths)
+        n = store.match(tokens, last, self.salt, one_read_paths(last, rest))
         while n and not (n == last or last - n >= rest or last < rest):  # the rest stays on its path
             n -= store.align
-        return store.load(cache, tokens, n, self.salt, paths) if n else 0
+        return n
+
+    def reuse(self, model, cache, tokens: Sequence[int]) -> int:
+        """Load into ``model``'s empty ``cache`` the longest stored prefix of ``tokens`` after
+        which the rest, read in one forward, is computed as reading all of ``tokens`` would be;
+        the positions loaded (0: none)."""
+        n = self.reusable(model, tokens)
+        if not n:
+            return 0
+        paths = one_read_paths(len(tokens), model.caps.prefix_rest)
+        return self.store.companion(model).load(cache, tokens, n, self.salt, paths)
 
     def keep(self, model, tokens: Sequence[int], cache, paths: Paths = None) -> None:
         """Store ``cache``'s positions of ``tokens`` (computed on ``paths``) for later requests."""
