@@ -696,6 +696,31 @@ def test_a_draft_models_read_is_spread_over_the_tokens_requests_typically_make()
     assert engine._remaining(short) == 4  # never more than its own budget leaves
 
 
+def test_a_draft_read_is_priced_by_the_tokens_the_draft_read():
+    """Between two drafting rounds a draft model has fed its own accepted drafts: the engine's
+    price of reading (seconds per token) counts what it read, not everything committed since,
+    which a round accepting 8 drafts would otherwise price at next to nothing a token."""
+    target = tiny_native(vocab=8, seed=5, layers=2)
+    twin = tiny_native(vocab=8, seed=5, layers=2)  # drafts what the target says: all accepted
+    fed: list[int] = []
+    rows = twin.forward_rows
+
+    def spy(ids, *args, **kw):
+        if kw.get("keep") == [0]:  # a read, not a drafting step
+            fed.append(int(ids[0].numel()))
+        return rows(ids, *args, **kw)
+
+    twin.forward_rows = spy
+    engine = Engine(target, config=EngineConfig(prefix_cache_mb=0))
+    priced: list[int] = []
+    price = engine._priced_read
+    engine._priced_read = lambda r, tokens, seconds: (priced.append(tokens), price(r, tokens, seconds))
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5]
+    out = engine.generate([prompt], GenerationConfig(max_new_tokens=30), Speculation(DraftModelProposer(twin), k=8))
+    assert out[0].stats["accepted_tokens"] >= 16  # rounds that accepted all 8
+    assert [t for t in priced if t] == fed == [len(prompt) - 1]
+
+
 def test_acceptance_history_weighs_requests_by_their_rounds_and_forgets_slowly():
     def est(a: float) -> AcceptanceEstimates:
         return AcceptanceEstimates((a, a), (a, a * a), (1.0, 1.0))

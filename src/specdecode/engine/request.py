@@ -330,12 +330,15 @@ class Request:
     def catch_up(self) -> tuple[int, float]:
         """Before a round that drafts (or shadow-drafts): the proposer reads the context it has
         not seen (a draft model's prompt), timed as prefill since it is prompt work, not drafting.
-        Returns (tokens it had not read, seconds) for the engine's price of such reads."""
+        Returns (tokens it read, seconds) for the engine's price of such reads: what the proposer
+        says it read (a draft that fed its own accepted drafts, or took a stored prefix, reads
+        fewer than were committed since its last read), else what it had not read."""
         if not self._reads_context or (self.k == 0 and self.shadow is None):
             return 0, 0.0
         n, t = self.unread(), time.perf_counter()
-        self.proposer.catch_up(self.context)
+        read = self.proposer.catch_up(self.context)
         seconds = time.perf_counter() - t
+        n = n if read is None else read
         self.metrics.prefill_s += seconds
         self.read_upto = len(self.context)
         return n, seconds

@@ -90,11 +90,13 @@ class Proposer(Protocol):
         """How many of the last proposal's tokens the target accepted."""
         ...
 
-    def catch_up(self, context: list[int]) -> None:
+    def catch_up(self, context: list[int]) -> int | None:
         """Read the committed context this state has not seen yet (a draft model's prompt, the
         tokens of rounds it did not draft) before a round that drafts. Called only where
         ``caps.catches_up``; the engine times it as prefill, so a round's draft time stays the
-        price of drafting alone. A request that never drafts never pays for it."""
+        price of drafting alone. A request that never drafts never pays for it. Returns how many
+        tokens it read (the engine's price of a read is per token read: a state that had most of
+        them already, or took them from a prefix store, read few); None: as many as it had not seen."""
         ...
 
     def source(self, context: list[int], k: int) -> Source:
@@ -147,8 +149,8 @@ class PerRequest:
     def finish(self, context: list[int]) -> None:
         pass
 
-    def catch_up(self, context: list[int]) -> None:
-        pass
+    def catch_up(self, context: list[int]) -> int | None:
+        return 0
 
     def source(self, context: list[int], k: int) -> Source:
         return SINGLE

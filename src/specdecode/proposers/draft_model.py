@@ -123,7 +123,7 @@ class DraftModelProposer(PerRequest):
         self.agreed = len(context)
         return context[keep:]
 
-    def catch_up(self, context: list[int]) -> None:
+    def catch_up(self, context: list[int]) -> int:
         """Feed all but the last token of ``context`` where a round would feed more than one
         following a drafting round does (a rejection's correction, or the last draft and the
         bonus token): the prompt, or what was committed while this request did not draft.
@@ -131,7 +131,7 @@ class DraftModelProposer(PerRequest):
         drafted token against 24) and a cost-aware k policy switched speculation off for good."""
         context = self._view(context)
         if len(context) - self._kept(context) <= ROUND_FEED:
-            return
+            return 0
         read = context[:-1]
         scope, first = self.prefix_scope, not self.cached
         if scope is not None and first:  # an earlier request read the same start: copy it
@@ -139,13 +139,14 @@ class DraftModelProposer(PerRequest):
             self.cached, self.agreed = read[: self.reused], self.reused
         fresh = torch.tensor(self._fresh(read), dtype=torch.long)
         if fresh.numel() == 0:
-            return
+            return 0
         if self.model.caps.rows:  # a prompt chunk: no logits wanted (and its fast path, if any)
             self.model.forward_rows([fresh], [self.cache], keep=[0])
         else:
             self.model.forward(fresh[None], self.cache, last_only=True)
         if scope is not None and first:  # later requests starting the same way take it from here
             scope.keep(self.model, read, self.cache, one_read_paths(len(read), self.model.caps.prefix_rest))
+        return fresh.numel()
 
     def finish(self, context: list[int]) -> None:
         """Store the whole conversation read so far, where the model writes every position bitwise

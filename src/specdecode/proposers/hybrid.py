@@ -85,8 +85,8 @@ class HybridProposer(PerRequest):
     def stats(self) -> dict:
         return {"hybrid_rounds": dict(self.rounds), **self.drafter.stats()}
 
-    def catch_up(self, context: list[int]) -> None:
-        self.drafter.catch_up(context)
+    def catch_up(self, context: list[int]) -> int | None:
+        return self.drafter.catch_up(context)
 
     def reads(self, start: int, end: int) -> int:
         return self.drafter.reads(start, end)

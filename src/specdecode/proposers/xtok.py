@@ -62,12 +62,14 @@ class CrossTokenizerProposer(PerRequest):
         self.cache = self.model.new_cache(self.max_length)
         self.cached = []
 
-    def catch_up(self, context: list[int]) -> None:
+    def catch_up(self, context: list[int]) -> int:
         """The prompt, re-tokenized for the draft, read before the first round that drafts."""
         if not self.cached and self.cache is not None:
             dids = list(self.dtok.encode(self.ttok.decode(context, **_DECODE), add_special_tokens=False))
             if len(dids) > 1:
                 self._sync(dids[:-1])
+                return len(dids) - 1
+        return 0
 
     def _sync(self, ids: list[int]) -> torch.Tensor:
         """Keep the cached draft tokens' longest common prefix with ``ids``; feed the rest."""
