@@ -155,6 +155,32 @@ def test_each_proposer_owns_its_corpus_unless_one_is_shared():
     assert d.corpus is shared and list(shared.docs) == [[1, 2]]
 
 
+def test_a_salted_requests_output_drafts_only_for_requests_with_its_salt():
+    """A request's ``cache_salt`` scopes the corpus, as it scopes the prefix store: another
+    tenant's output would otherwise be drafted, and acceptance (so timing) would show it."""
+    from specdecode.engine import Engine, EngineConfig, Speculation
+    from specdecode.models.prefix_cache import PrefixScope
+    from specdecode.proposers import suffix as suffix_module
+
+    corpus = SuffixCorpus(max_tokens=100)
+    p = SuffixProposer(corpus=corpus)
+    p.start([0], prefix_scope=PrefixScope(None, "alice")).finish([0, 4, 5, 6, 7])
+    assert not corpus.docs and list(corpus.scoped("alice").docs) == [[4, 5, 6, 7]]
+
+    def drafted(salt):
+        return p.start([9, 9], prefix_scope=PrefixScope(None, salt)).propose([9, 9, 4, 5], 4, GREEDY, None).k
+
+    assert (drafted("alice"), drafted("bob"), drafted(None)) == (2, 0, 0)
+    for i in range(suffix_module.MAX_SCOPES):
+        corpus.scoped(f"tenant-{i}")
+    assert drafted("alice") == 0  # the least recently used salts' corpora go first
+
+    engine = Engine(MarkovLM(6, seed=1), config=EngineConfig(prefix_cache_mb=0))  # salts reach it without a store
+    spec = Speculation(SuffixProposer(corpus=corpus), k=3)
+    engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=5, cache_salt="carol"), spec)
+    assert corpus.scoped("carol").docs and not corpus.docs
+
+
 def test_corpus_is_bounded():
     corpus = SuffixCorpus(max_tokens=50, max_docs=4)
     for i in range(100):

@@ -247,7 +247,7 @@ class Engine:
             if budget is not None and self.reserved + r.capacity > budget:
                 break  # first come, first served: later requests wait too
             self.waiting.popleft()
-            r.admit(None if self.prefixes is None else PrefixScope(self.prefixes, r.config.cache_salt))
+            r.admit(PrefixScope(self.prefixes, r.config.cache_salt))
             self._reuse_prefix(r)
             self._start_from_history(r)
             self.reserved += r.capacity

@@ -203,20 +203,22 @@ def one_read_paths(rows: int, rest: int) -> list[bool] | None:
 
 @dataclass(frozen=True)
 class PrefixScope:
-    """A request's part in an engine's prefix stores: ``store`` (the target's, whose companions
-    serve the request's proposer) under the request's ``salt``.
+    """A request's part in what an engine shares between requests: its ``salt`` (the request's
+    ``cache_salt``), and ``store``, the target's prefix store (None: none), whose companions serve
+    the request's proposer. The salt also scopes what a proposer learns from other requests'
+    outputs (suffix decoding's corpus).
 
     A proposer with a model and cache of its own (a draft model) reads a prompt in one forward;
     :meth:`reuse` gives it the stored positions that forward would compute bitwise the same, and
     :meth:`keep` stores what it read for later requests.
     """
 
-    store: PrefixCache
+    store: PrefixCache | None
     salt: str | None = None
 
     def reusable(self, model, tokens: Sequence[int]) -> int:
         """How many positions :meth:`reuse` would load for ``tokens`` now (for pricing a read)."""
-        store = self.store.companion(model)
+        store = None if self.store is None else self.store.companion(model)
         last, rest = len(tokens), model.caps.prefix_rest
         if store is None or last <= store.align:
             return 0
@@ -237,7 +239,7 @@ class PrefixScope:
 
     def keep(self, model, tokens: Sequence[int], cache, paths: Paths = None) -> None:
         """Store ``cache``'s positions of ``tokens`` (computed on ``paths``) for later requests."""
-        store = self.store.companion(model)
+        store = None if self.store is None else self.store.companion(model)
         if store is not None:
             store.store(tokens, cache, self.salt, paths)
 

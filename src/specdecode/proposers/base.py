@@ -73,9 +73,11 @@ class Proposer(Protocol):
     ) -> "Proposer":
         """A fresh per-request state for a request whose prompt is ``prompt_ids`` (self unchanged).
 
-        ``prefix_scope``: the request's part in the engine's prefix stores (None: none). A state
-        that reads the context into a model cache of its own (a draft model) may take stored
-        positions from it instead, and store what it read, under the request's salt."""
+        ``prefix_scope``: the request's part in what the engine shares between requests (None:
+        outside an engine): its ``cache_salt``, and the prefix stores. A state that reads the
+        context into a model cache of its own (a draft model) may take stored positions from it
+        instead, and store what it read; one that learns from other requests' outputs (a suffix
+        corpus) learns only from those with the same salt."""
         ...
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:

@@ -71,7 +71,7 @@ class HybridProposer(PerRequest):
     def reset(self, prompt_ids: list[int]) -> None:
         """This request's drafter state and counts (``start`` calls this on the request's copy)."""
         self.drafter = self.drafter.start(prompt_ids, self._target_cache, self.prefix_scope)
-        self.suffix = None if self.suffix is None else self.suffix.start(prompt_ids)
+        self.suffix = None if self.suffix is None else self.suffix.start(prompt_ids, None, self.prefix_scope)
         self._target_cache = None
         self.rounds = dict.fromkeys(self.rounds, 0)
         self._source = "drafter"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
@@ -111,6 +111,9 @@ class SuffixAutomaton:
         return kids
 
 
+MAX_SCOPES = 64  # salted corpora a corpus keeps (each bounded as it is)
+
+
 class SuffixCorpus:
     """A bounded store of earlier outputs and one automaton over them, shared by proposers.
 
@@ -127,6 +130,21 @@ class SuffixCorpus:
         self.tokens = 0
         self.automaton = SuffixAutomaton(count_depth)
         self._lock = threading.Lock()
+        self._scopes: OrderedDict[str, SuffixCorpus] = OrderedDict()  # salt -> its corpus, least recent first
+
+    def scoped(self, salt: str | None) -> "SuffixCorpus":
+        """The corpus of requests with ``cache_salt`` ``salt``: this one for None, else one of
+        the salt's own with the same bounds (the :data:`MAX_SCOPES` most recently used kept).
+        Outputs then draft only for requests of the same scope, as the prefix store's entries
+        serve only theirs: acceptance, so timing, would otherwise reveal another tenant's text."""
+        if salt is None:
+            return self
+        with self._lock:
+            child = self._scopes.pop(salt, None) or SuffixCorpus(self.max_tokens, self.max_docs, self.count_depth)
+            self._scopes[salt] = child
+            while len(self._scopes) > MAX_SCOPES:
+                self._scopes.popitem(last=False)
+            return child
 
     def add(self, ids: list[int]) -> None:
         ids = [int(t) for t in ids][-self.max_tokens :]
@@ -218,6 +236,8 @@ class SuffixProposer(PerRequest):
 
     # -- request lifecycle -----------------------------------------------------------------------
     def reset(self, prompt_ids: list[int]) -> None:
+        if self.corpus is not None and self.prefix_scope is not None:  # the request's salt's corpus
+            self.corpus = self.corpus.scoped(self.prefix_scope.salt)
         self._restart(prompt_ids)
 
     def finish(self, context: list[int]) -> None:
