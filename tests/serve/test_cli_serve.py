@@ -123,6 +123,8 @@ def test_sigterm_drains_running_requests_and_exits_0(tmp_path):
         (["serve", "--max-batch", "x"], "--max-batch"),
         (["serve", "--method", "ngram", "--draft-vocab", "8"], "--draft-vocab needs --draft"),
         (["serve", "--draft-vocab", "0"], "--draft-vocab"),
+        (["serve", "--request-timeout", "nan"], "--request-timeout"),
+        (["serve", "--prefix-cache-mb", "-1"], "--prefix-cache-mb"),
     ],
 )
 def test_bad_options_are_one_error_line(argv, needle):

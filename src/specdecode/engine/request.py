@@ -335,10 +335,10 @@ class Request:
         fewer than were committed since its last read), else what it had not read."""
         if not self._reads_context or (self.k == 0 and self.shadow is None):
             return 0, 0.0
-        n, t = self.unread(), time.perf_counter()
+        t = time.perf_counter()
         read = self.proposer.catch_up(self.context)
         seconds = time.perf_counter() - t
-        n = n if read is None else read
+        n = self.unread() if read is None else read
         self.metrics.prefill_s += seconds
         self.read_upto = len(self.context)
         return n, seconds

@@ -36,7 +36,7 @@ from specdecode.engine.request import (
 )
 from specdecode.errors import ConfigError, InputError, QueueFullError
 from specdecode.models.base import CausalLM
-from specdecode.models.prefix_cache import PrefixCache, PrefixScope
+from specdecode.models.prefix_cache import PrefixCache, PrefixScope, cold_paths
 
 
 @dataclass(frozen=True)
@@ -259,36 +259,18 @@ class Engine:
         features needs every prompt forward, so its requests prefill in full."""
         if self.prefixes is None or r.reads_features or len(r.prompt_ids) <= self.prefixes.align:
             return
-        prompt, last, salt = r.prompt_ids, len(r.prompt_ids) - 1, r.config.cache_salt
-        paths = self._cold_paths(len(prompt), len(prompt))
-        n = self.prefixes.match(prompt, last, salt, paths)
-        while n and not self._split_exact(n, last):
-            n -= self.prefixes.align
+        n = self.prefixes.reuse(r.cache, r.prompt_ids, len(r.prompt_ids) - 1, *self._chunking, r.config.cache_salt)
         if n:
-            r.reuse(self.prefixes.load(r.cache, prompt, n, salt, paths))
+            r.reuse(n)
 
-    def _split_exact(self, n: int, last: int) -> bool:
-        """Whether prompt rows ``[n, last)`` prefill as they would from 0: the chunk that now
-        starts at ``n`` keeps the rows a target computes by chunk size the same way."""
-        chunk, rest = self.config.prefill_chunk, self.target.caps.prefix_rest
-        start = n // chunk * chunk
-        end = min(start + chunk, last)
-        return end - n == 0 or end - n >= rest or end - start < rest
-
-    def _cold_paths(self, prompt_length: int, n: int) -> list[bool] | None:
-        """The kernel path of a sequence's first ``n`` positions as its prefill without the store
-        computes them (True: a prompt chunk of ``prefix_rest``+ rows, on the target's prompt
-        path), where its prompt is ``prompt_length`` long; None where the target has one path.
-        The rows taken from the store agree with these, so every entry's positions do as well."""
-        chunk, rest = self.config.prefill_chunk, self.target.caps.prefix_rest
-        if rest <= 1:
-            return None
-        last = prompt_length - 1  # the prompt's last token goes with the first round, not a chunk
-        return [i < last and min(chunk, last - i // chunk * chunk) >= rest for i in range(n)]
+    @property
+    def _chunking(self) -> tuple[int, int]:
+        """(chunk, rest): how the target's prompts are read, for the prefix store's path rules."""
+        return self.config.prefill_chunk, self.target.caps.prefix_rest
 
     def _keep_prefix(self, r: Request, tokens: list[int]) -> None:
         if self.prefixes is not None and r.cache is not None:
-            paths = self._cold_paths(len(r.prompt_ids), len(tokens))
+            paths = cold_paths(len(r.prompt_ids) - 1, len(tokens), *self._chunking)  # the last goes with a round
             self.prefixes.store(tokens, r.cache, r.config.cache_salt, paths)
 
     def _prefill_rows(self) -> list[Row]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,6 +70,7 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.bytes = 0
         self.lookups = self.hits = self.hit_tokens = 0
+        self.version = 0  # counts changes to the entries: what was reusable is until it moves
 
     @classmethod
     def for_target(cls, target, max_mb: int) -> "PrefixCache | None":
@@ -99,6 +100,21 @@ class PrefixCache:
         ``align`` (0: none)."""
         with self._lock:
             return self._best(*_keyed(tokens, paths), limit, salt)[0]
+
+    def reusable(self, tokens: Sequence[int], rows: int, chunk: int, rest: int, salt: str | None = None) -> int:
+        """Positions of ``tokens`` (a sequence whose first ``rows`` are read in chunks of ``chunk``
+        at fixed offsets, by a model with ``prefix_rest`` ``rest``) the store can supply so that
+        the rows after them are computed bitwise as a read from 0 computes them."""
+        paths = cold_paths(rows, len(tokens), chunk, rest)
+        n = self.match(tokens, rows, salt, paths)
+        while n and not split_exact(n, rows, chunk, rest):
+            n -= self.align
+        return n
+
+    def reuse(self, cache, tokens: Sequence[int], rows: int, chunk: int, rest: int, salt: str | None = None) -> int:
+        """Load :meth:`reusable`'s positions into the empty ``cache``; how many it loaded."""
+        n = self.reusable(tokens, rows, chunk, rest, salt)
+        return self.load(cache, tokens, n, salt, cold_paths(rows, len(tokens), chunk, rest)) if n else 0
 
     def load(self, cache, tokens: Sequence[int], n: int, salt: str | None = None, paths: Paths = None) -> int:
         """Copy the stored keys/values of ``tokens[:n]`` into the empty ``cache``; the positions
@@ -146,6 +162,7 @@ class PrefixCache:
             self._entries[self._next] = entry
             self._next += 1
             self.bytes += entry.nbytes
+            self.version += 1
 
     def stats(self) -> dict[str, int]:
         """Entries and bytes held, and lookups, hits and positions reused so far."""
@@ -185,6 +202,7 @@ class PrefixCache:
 
     def _drop(self, key: int) -> None:
         self.bytes -= self._entries.pop(key).nbytes
+        self.version += 1
 
 
 Paths = Sequence[bool] | None
@@ -195,10 +213,23 @@ def _token_bytes(model) -> int:
     return cache.keys[..., :1, :].nbytes + cache.values[..., :1, :].nbytes
 
 
-def one_read_paths(rows: int, rest: int) -> list[bool] | None:
-    """The kernel paths of ``rows`` positions read in one prompt forward, by a model whose
-    chunks of ``rest``+ rows take the prompt path (``ModelCaps.prefix_rest``; None: one path)."""
-    return None if rest <= 1 else [rows >= rest] * rows
+def cold_paths(rows: int, n: int, chunk: int, rest: int) -> list[bool] | None:
+    """The kernel path of a sequence's first ``n`` positions where its first ``rows`` are read
+    from 0 in chunks of ``chunk`` at fixed offsets: True in a chunk of ``rest``+ rows (the model's
+    prompt path, ``ModelCaps.prefix_rest``), False elsewhere and past ``rows`` (decode and
+    verify rows); None where the model has one path."""
+    if rest <= 1:
+        return None
+    return [i < rows and min(chunk, rows - i // chunk * chunk) >= rest for i in range(n)]
+
+
+def split_exact(n: int, rows: int, chunk: int, rest: int) -> bool:
+    """Whether rows ``[n, rows)``, read after ``n`` stored positions, take the kernel path they
+    take in a read from 0: the chunk that now starts at ``n`` keeps a length on the same side
+    of ``rest`` (chunks end at the same fixed offsets either way)."""
+    start = n // chunk * chunk
+    end = min(start + chunk, rows)
+    return end - n == 0 or end - n >= rest or end - start < rest
 
 
 @dataclass(frozen=True)
@@ -215,33 +246,41 @@ class PrefixScope:
 
     store: PrefixCache | None
     salt: str | None = None
+    # (id(model), length, store version) -> reusable: a request's reads of one length are the same
+    # tokens (its context only grows), so a read's price is not matched again every step.
+    _seen: dict = field(default_factory=dict, compare=False, repr=False)
 
     def reusable(self, model, tokens: Sequence[int]) -> int:
         """How many positions :meth:`reuse` would load for ``tokens`` now (for pricing a read)."""
-        store = None if self.store is None else self.store.companion(model)
-        last, rest = len(tokens), model.caps.prefix_rest
-        if store is None or last <= store.align:
+        store = self._for(model, tokens)
+        if store is None:
             return 0
-        n = store.match(tokens, last, self.salt, one_read_paths(last, rest))
-        while n and not (n == last or last - n >= rest or last < rest):  # the rest stays on its path
-            n -= store.align
-        return n
+        key = (id(model), len(tokens), store.version)
+        if key not in self._seen:
+            self._seen.clear()
+            self._seen[key] = store.reusable(tokens, len(tokens), len(tokens), model.caps.prefix_rest, self.salt)
+        return self._seen[key]
 
     def reuse(self, model, cache, tokens: Sequence[int]) -> int:
         """Load into ``model``'s empty ``cache`` the longest stored prefix of ``tokens`` after
         which the rest, read in one forward, is computed as reading all of ``tokens`` would be;
         the positions loaded (0: none)."""
-        n = self.reusable(model, tokens)
-        if not n:
+        store = self._for(model, tokens)
+        if store is None:
             return 0
-        paths = one_read_paths(len(tokens), model.caps.prefix_rest)
-        return self.store.companion(model).load(cache, tokens, n, self.salt, paths)
+        return store.reuse(cache, tokens, len(tokens), len(tokens), model.caps.prefix_rest, self.salt)
 
-    def keep(self, model, tokens: Sequence[int], cache, paths: Paths = None) -> None:
-        """Store ``cache``'s positions of ``tokens`` (computed on ``paths``) for later requests."""
+    def keep(self, model, tokens: Sequence[int], cache) -> None:
+        """Store ``cache``'s positions of ``tokens``, computed as one read of them, for later requests."""
         store = None if self.store is None else self.store.companion(model)
         if store is not None:
-            store.store(tokens, cache, self.salt, paths)
+            n = len(tokens)
+            store.store(tokens, cache, self.salt, cold_paths(n, n, max(n, 1), model.caps.prefix_rest))
+
+    def _for(self, model, tokens: Sequence[int]) -> PrefixCache | None:
+        """``model``'s companion store, where ``tokens`` are long enough to take from it."""
+        store = None if self.store is None else self.store.companion(model)
+        return store if store is not None and len(tokens) > store.align else None
 
 
 def _keyed(tokens: Sequence[int], paths: Paths) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,4 +294,4 @@ def _keyed(tokens: Sequence[int], paths: Paths) -> tuple[torch.Tensor, torch.Ten
     return ids, tags
 
 
-__all__ = ["PrefixCache", "PrefixScope", "one_read_paths"]
+__all__ = ["PrefixCache", "PrefixScope", "cold_paths", "split_exact"]

@@ -17,7 +17,6 @@ from specdecode.core.sampling import (
 from specdecode.core.verify import Draft
 from specdecode.errors import ConfigError
 from specdecode.models.base import CausalLM
-from specdecode.models.prefix_cache import one_read_paths
 from specdecode.proposers.base import ROUND_FEED, PerRequest, ProposerCaps
 
 SINK = 4  # first prompt tokens a windowed draft keeps: attention sinks (StreamingLLM, arXiv 2309.17453)
@@ -145,7 +144,7 @@ class DraftModelProposer(PerRequest):
         else:
             self.model.forward(fresh[None], self.cache, last_only=True)
         if scope is not None and first:  # later requests starting the same way take it from here
-            scope.keep(self.model, read, self.cache, one_read_paths(len(read), self.model.caps.prefix_rest))
+            scope.keep(self.model, read, self.cache)
         return fresh.numel()
 
     def finish(self, context: list[int]) -> None:

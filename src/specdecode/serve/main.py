@@ -53,7 +53,7 @@ def _positive(kind: type, allow_zero: bool = False):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if value < 0 or (value == 0 and not allow_zero):
+        if not (value > 0 or (allow_zero and value == 0)):  # NaN fails both
             raise argparse.ArgumentTypeError(f"must be {'>=' if allow_zero else '>'} 0, got {text}")
         return value
 
