@@ -309,19 +309,24 @@ def test_planner_speculates_on_a_flat_curve_and_stops_when_rows_get_expensive():
     assert plan([good, poor], 0, 0.0, flat)[1] <= 1
 
 
-def test_a_one_time_read_before_the_first_draft_is_charged_once():
-    """A draft model's unread prompt (its share for this step) is priced with the first draft
-    only: large, it keeps the request at k = 0; once read, the drafts are priced as before."""
+def test_a_one_time_read_is_paid_for_by_every_token_drafting_commits():
+    """A draft model's unread prompt is priced per token the request is expected still to make
+    and charged on every token a drafting step commits: the planner drafts exactly where, over
+    the request's life, drafting saves more than the read costs. Here plain decoding costs
+    11 ms a token and k = 4 (4.1 tokens for 19 ms) 4.63 ms: a read that adds 6 ms to each
+    token pays, one that adds 7 ms does not (charged once a step, it looked like 1.7 ms)."""
     costs = ForwardCosts()
     for n in (1, 2, 4, 8):
         costs.observe(n, 0.01 + 0.001 * n)
     accept = [0.9, 0.81, 0.73, 0.66]
-    assert plan([Candidate(accept, 0.001, 4, setup_s=0.05)], 0, 0.0, costs) == [0]
-    assert plan([Candidate(accept, 0.001, 4, setup_s=0.001)], 0, 0.0, costs) == [4]
+    assert plan([Candidate(accept, 0.001, 4, read_s_per_token=0.007)], 0, 0.0, costs) == [0]
+    assert plan([Candidate(accept, 0.001, 4, read_s_per_token=0.006)], 0, 0.0, costs) == [4]
     assert plan([Candidate(accept, 0.001, 4)], 0, 0.0, costs) == [4]
-    # before any read was timed, one request a step reads (setup 0), the others wait (inf)
-    pair = [Candidate(accept, 0.001, 4, setup_s=0.0), Candidate(accept, 0.001, 4, setup_s=float("inf"))]
+    # before any read was timed, one request a step reads (price 0), the others wait (inf)
+    pair = [Candidate(accept, 0.001, 4), Candidate(accept, 0.001, 4, read_s_per_token=float("inf"))]
     assert plan(pair, 0, 0.0, costs) == [4, 0]
+    never = Candidate([0.9, 0.0, 0.0, 0.0], 0.001, 4, read_s_per_token=float("inf"))
+    assert plan([never], 0, 0.0, costs) == [0]  # a draft adding no tokens is charged nothing, not NaN
 
 
 def test_the_engine_learns_what_a_draft_models_prompt_read_costs():

@@ -7,8 +7,10 @@ the first i drafts are all accepted) and costs d_r per drafted token. The step's
     (sum_r E_r(k_r)) / (c(N_other + sum_r (k_r + 1)) + sum_r d_r k_r)
 
 and k is raised one draft at a time, always where it helps the rate most, until no draft helps.
-A request whose drafter must first read context it has not seen (a draft model's prompt) also
-pays its share of that read with its first draft, so a busy batch does not start it for little.
+A request whose drafter must first read context it has not seen (a draft model's prompt) pays
+for that read on every token it would commit while drafting: the read spread over the tokens the
+request is expected still to make. So it reads only where, over its remaining life, drafting saves
+more than the read costs, and a busy batch does not start it for little.
 Small batches on a flat c(N) then speculate fully; as the batch grows c(N) steepens, the extra
 rows stop paying, and speculation switches itself off (k = 0), with no table to tune.
 """
@@ -221,9 +223,21 @@ class Candidate:
     draft_s_per_token: float
     k_max: int
     reach_by_position: Sequence[float] | None = None
-    # Seconds this step pays before the request's first draft (a draft model reading the
-    # context it has not seen), its share of a one-time cost: charged with the first draft only.
-    setup_s: float = 0.0
+    # Seconds per committed token of a one-time read before the request can draft (a draft model
+    # reading the context it has not seen), spread over the tokens it is expected still to make.
+    # Charged on every token a drafting step commits for it, the one it would commit anyway
+    # included: drafting then beats plain decoding exactly where, over the request's remaining
+    # tokens, it saves more than the read costs. (Charged once a step instead, a draft committing
+    # 5 tokens a step paid a fifth of its read and read long prompts it could never pay back.)
+    read_s_per_token: float = 0.0
+
+    def read_cost(self, i: int) -> float:
+        """Seconds of the read that asking for draft i + 1 adds: its share for the tokens that
+        draft adds, and for the first draft also the token the step commits without drafts."""
+        if not self.read_s_per_token:
+            return 0.0
+        tokens = self.gain(i) + (1.0 if i == 0 else 0.0)
+        return self.read_s_per_token * tokens if tokens else 0.0
 
     def reach(self, i: int) -> float:
         return 1.0 if self.reach_by_position is None else self.reach_by_position[i]
@@ -304,7 +318,7 @@ def _best_run(
             s = c.reach(k)
             gain += c.gain(k)
             extra_rows += s
-            extra_draft += c.draft_s_per_token * s + (c.setup_s if k == 0 else 0.0)
+            extra_draft += c.draft_s_per_token * s + c.read_cost(k)
             r = (tokens + gain) / (forward(rows + extra_rows) + draft + extra_draft)
             if r > rate * (1 + 1e-9):
                 best, rate = (i, k + 1, gain, extra_rows, extra_draft, r), r

@@ -313,7 +313,7 @@ class Engine:
             stale = r.current.off_steps + 1 >= self.config.probe_every
             accept = r.policy.accept_when_drafted(optimistic=stale)
             k_max, reach = r.clip(r.policy.k_max), r.policy.reach_by_position()
-            candidates.append(Candidate(accept, self._draft_cost(r), k_max, reach, self._setup_cost(r, unpriced)))
+            candidates.append(Candidate(accept, self._draft_cost(r), k_max, reach, self._read_cost(r, unpriced)))
         for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.memory.costs, prefill_rows)):
             r.k = k
             r.current.off_steps = r.current.off_steps + 1 if k == 0 else 0
@@ -338,12 +338,12 @@ class Engine:
         cal = self.memory.calibrations.get(key)
         return cal if cal is not None else self.memory.calibrations.setdefault(key, ScoreCalibration())
 
-    def _setup_cost(self, r: Request, unpriced: set[int]) -> float:
-        """This step's share of the context read a request pays before it drafts again (its
-        draft model's prompt): seconds per token measured on earlier reads by the same proposer,
-        spread over the tokens the request is expected still to make. Before any read was
-        measured, one request a step may read for free (so the price gets measured) and the
-        others may not."""
+    def _read_cost(self, r: Request, unpriced: set[int]) -> float:
+        """Seconds per committed token of the context read a request pays before it drafts again
+        (its draft model's prompt): seconds per token read, measured on earlier reads by the same
+        proposer, times the tokens unread, spread over the tokens the request is expected still
+        to make. Before any read was measured, one request a step may read for free (so the
+        price gets measured) and the others may not."""
         unread = r.unread()
         if not unread:
             return 0.0
