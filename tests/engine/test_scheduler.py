@@ -685,16 +685,22 @@ def test_greedy_and_sampled_requests_learn_acceptance_apart():
 
 
 def test_a_draft_models_read_is_spread_over_the_tokens_requests_typically_make():
-    """A prompt read is priced per step as its share over the tokens still to come: the budget
-    left until a request has finished, then what finished requests made (answers that stop at
-    EOS long before max_new_tokens made the read look cheaper than it was)."""
+    """A prompt read is priced as its share over the tokens still to come: the budget left
+    until a request has finished, then what finished requests made (answers that stop at EOS
+    long before max_new_tokens made the read look cheaper than it was). A request its budget
+    cut short tells only that answers run at least that long: it may raise the typical length,
+    never start or lower it (a 4-token warm-up once priced every later read over 4 tokens)."""
     target = tiny_native(vocab=8, seed=5, layers=2)
-    engine = Engine(target)
+    engine = Engine(target, eos_token_ids=frozenset({0}))  # [1, 2, 3] ends at EOS after 22 tokens
     waiting = engine.submit([1, 2, 3], GenerationConfig(max_new_tokens=100))
     assert engine._remaining(waiting) == 100  # nothing finished yet: the whole budget
-    engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=8))  # (the first request runs too)
+    engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=8))  # cut at 8; the first runs to EOS
+    assert waiting.output.finish_reason == "eos" and engine.memory.output_tokens == 22
+    engine.generate([[3, 2, 1]], GenerationConfig(max_new_tokens=4))  # cut short: no news
+    assert engine.memory.output_tokens == 22
+    engine.generate([[3, 2, 1]], GenerationConfig(max_new_tokens=60))  # cut at 60: longer than typical
     typical = engine.memory.output_tokens
-    assert 8 <= typical < 100
+    assert typical == pytest.approx(0.7 * 22 + 0.3 * 60)
     fresh = engine.submit([3, 2, 1], GenerationConfig(max_new_tokens=100))
     assert engine._remaining(fresh) == pytest.approx(typical)
     short = engine.submit([3, 2, 1], GenerationConfig(max_new_tokens=4))

@@ -477,13 +477,24 @@ class Engine:
 
     def _close(self, r: Request) -> None:
         if not r.cancelled:
-            self.memory.output_tokens = _blend(self.memory.output_tokens, float(r.output.count))
+            self._learn_length(r)
             if self.target.caps.row_exact:  # a conversation's next turn starts with all of it
                 self._keep_prefix(r, r.context)
         self._remember(r)
         r.finish()
         r.free()
         self.reserved -= r.capacity
+
+    def _learn_length(self, r: Request) -> None:
+        """Fold a finished request's length into the typical one (what reads are spread over).
+        A request its budget cut short says only that requests run at least that long (a
+        4-token warm-up must not teach that answers are 4 tokens): it may raise the figure,
+        never lower or start it."""
+        typical, made = self.memory.output_tokens, float(r.output.count)
+        if r.output.finish_reason != "length":
+            self.memory.output_tokens = _blend(typical, made)
+        elif typical is not None and made > typical:
+            self.memory.output_tokens = _blend(typical, made)
 
     # -- reports ---------------------------------------------------------------------------------
     def k_by_batch_size(self) -> dict[int, float]:
