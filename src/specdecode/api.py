@@ -102,15 +102,16 @@ def best_drafter(target: LoadedModel) -> str:
 
 
 def benchmarked_settings(target: LoadedModel, method: str) -> dict[str, Any]:
-    """The settings (k, policy, confidence; the hybrid's drafter) a shipped card says its speedup was
-    measured with, so that ``method="auto"`` runs what was measured; empty for anything else."""
+    """The settings (k, policy, confidence; the hybrid's drafter and lookup) a shipped card says
+    its speedup was measured with, so that ``method="auto"`` runs what was measured; empty for
+    anything else."""
     card = shipped_drafters(target, MEASURED).get(method) or {}
     return _kept((card.get("benchmark") or {}).get("settings") or {})
 
 
 def _kept(settings: dict[str, Any]) -> dict[str, Any]:
     """The settings ``auto`` runs with, out of a card's."""
-    keys = ("k", "policy", "confidence", "drafter", "draft", "draft_dtype")
+    keys = ("k", "policy", "confidence", "drafter", "lookup", "draft", "draft_dtype")
     return {key: settings[key] for key in keys if key in settings}
 
 
@@ -178,8 +179,9 @@ def resolve_speculation(
     k = measured.get("k", 4) if k is None else k  # int, or "auto"
     policy = policy or measured.get("policy")
     confidence = measured.get("confidence", 0.5) if confidence is None else confidence
-    if "drafter" in measured:
-        proposer_options.setdefault("drafter", measured["drafter"])
+    for key in ("drafter", "lookup"):  # the hybrid's, as measured
+        if key in measured:
+            proposer_options.setdefault(key, measured[key])
     if k == "auto":
         policy, k = "auto", k_max
     policy = policy or "fixed"

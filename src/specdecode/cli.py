@@ -139,7 +139,7 @@ def _generate_parser(sub: Any) -> None:
         default=[],
         metavar="NAME=VALUE",
         help="a proposer option of --method (repeatable), e.g. --set prompt_window=256 (draft, hybrid) "
-        "or --set lookup=suffix (hybrid); a misspelt one is an error naming the options the method takes",
+        "or --set lookup=ngram (hybrid); a misspelt one is an error naming the options the method takes",
     )
     p.add_argument(
         "--shadow", action="store_true", help="decode plainly; record the acceptance the method would have had"

@@ -88,6 +88,7 @@ def test_hybrid_gets_a_card_of_its_own_with_the_drafter_it_ran(tmp_path):
         "policy": "confidence",
         "confidence": 0.4,
         "drafter": "medusa",
+        "lookup": "suffix",  # what a default hybrid cell ran
     }
     (tmp_path / "results.json").write_text(json.dumps(run))
     written = record(tmp_path / "results.json", tmp_path / "drafters")

@@ -80,7 +80,7 @@ def test_hybrid_with_k_planned_per_source_is_exact():
     target, draft = tiny_llama(vocab=5, seed=0), tiny_llama(vocab=5, seed=1)
     sampling = SamplingConfig(temperature=1.0, top_k=4)
     states = []
-    proposer = HybridProposer(DraftModelProposer(draft))
+    proposer = HybridProposer(DraftModelProposer(draft), lookup="ngram")
     start = proposer.start
     proposer.start = lambda *args: states.append(start(*args)) or states[-1]
     decoder = Decoder(target, proposer, policy=make_policy("auto", 3))

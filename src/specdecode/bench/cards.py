@@ -23,6 +23,7 @@ from specdecode.bench.runner import CONF_SUFFIX, TREE_SUFFIX, base_method, parse
 from specdecode.errors import InputError
 from specdecode.methods import COMPOSED, MEASURED, TRAINED, method_spec
 from specdecode.models.catalog import CATALOG
+from specdecode.proposers.hybrid import DEFAULT_LOOKUP
 
 COMPOSED_HOW = {
     "hybrid": "prompt lookup when the context's last 2+ tokens occurred before; else the trained drafter "
@@ -47,8 +48,8 @@ def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
         settings: dict[str, Any] = {"k": best["k"]}
         if best["method"].endswith(CONF_SUFFIX):
             settings |= {"policy": "confidence", "confidence": config["confidence"]}
-        if method in COMPOSED:
-            settings["drafter"] = config.get("hybrid_drafter")
+        if method in COMPOSED:  # its drafter, and the lookup a default cell runs
+            settings |= {"drafter": config.get("hybrid_drafter"), "lookup": DEFAULT_LOOKUP}
         if drafted:
             settings |= {"draft": config["draft_name"], "draft_dtype": config["draft_dtype"]}
         blocks[method] = _block(results, best, rows, overall, settings, ngram)

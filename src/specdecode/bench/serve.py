@@ -467,8 +467,9 @@ def resolve_arm(spec: ArmSpec, target: Any, opts: Options) -> Arm:
     options: dict[str, Any] = {}
     if settings.get("policy") == "confidence":
         options["confidence_threshold"] = settings.get("confidence", 0.5)
-    if "drafter" in settings:
-        options["drafter"] = settings["drafter"]
+    for key in ("drafter", "lookup"):  # the hybrid's, as measured
+        if key in settings:
+            options[key] = settings[key]
     if spec.options:  # written after the name; checked here too for best, now that it has a method
         method_spec(method).check_options([key for key, _ in spec.options])
         options.update(spec.options)

@@ -32,6 +32,7 @@ from specdecode.proposers.ngram import lookup
 from specdecode.proposers.suffix import SuffixProposer
 
 LOOKUPS = ("ngram", "suffix")
+DEFAULT_LOOKUP = "suffix"
 LOOKUP = Source("lookup", catches_up=False)  # a lookup round: the drafter need not read anything
 DRAFTER = Source("drafter")
 
@@ -39,13 +40,14 @@ DRAFTER = Source("drafter")
 class HybridProposer(PerRequest):
     name = "hybrid"
 
-    def __init__(self, drafter: Proposer, min_match: int = 2, max_ngram: int = 3, lookup: str = "ngram") -> None:
+    def __init__(self, drafter: Proposer, min_match: int = 2, max_ngram: int = 3, lookup: str = DEFAULT_LOOKUP) -> None:
         """``min_match``: the shortest context tail whose earlier occurrence makes a lookup round;
         shorter matches are used only when the drafter drafts nothing (its confidence stop).
-        ``lookup``: "ngram" (the latest earlier match of the context's last 3..min_match tokens)
-        or "suffix" (suffix decoding over the context and the outputs of this proposer's earlier
-        requests, :class:`SuffixProposer` with its defaults; a lookup round when it drafts at
-        least ``min_match`` tokens)."""
+        ``lookup``: "suffix" (suffix decoding over the context and the outputs of this proposer's
+        earlier requests, :class:`SuffixProposer` with its defaults; a lookup round when it drafts
+        at least ``min_match`` tokens), or "ngram" (the latest earlier match of the context's last
+        3..min_match tokens). Suffix is the default: it measured at least as fast as n-gram on
+        every workload and target we have (BENCHMARKS.md, session 42)."""
         if not 1 <= min_match <= max_ngram:
             raise ConfigError(f"need 1 <= min_match <= max_ngram, got {min_match}, {max_ngram}")
         if lookup not in LOOKUPS:
