@@ -26,8 +26,9 @@ from specdecode.models.catalog import CATALOG
 from specdecode.proposers.hybrid import DEFAULT_LOOKUP
 
 COMPOSED_HOW = {
-    "hybrid": "prompt lookup when the context's last 2+ tokens occurred before; else the trained drafter "
-    "(settings.drafter) with its confidence stop; a 1-token match when that drafter is unsure",
+    "hybrid": "a lookup where the context repeats (settings.lookup: suffix decoding drafting 2+ tokens, or n-gram "
+    "prompt lookup of the context's last 2+ tokens); else the trained drafter (settings.drafter) with its "
+    "confidence stop; a 1-token match when that drafter is unsure",
 }
 
 
