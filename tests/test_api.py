@@ -86,7 +86,7 @@ def test_auto_runs_the_settings_the_card_was_measured_with(drafters, monkeypatch
     assert seen == {"method": "eagle", "k": 4, "policy": "fixed"}
 
 
-def test_auto_runs_the_hybrid_with_the_drafter_it_was_measured_with(drafters, monkeypatch):
+def test_auto_runs_the_hybrid_with_the_drafter_and_lookup_it_was_measured_with(drafters, monkeypatch):
     from specdecode import api
 
     ship(drafters, "medusa", 1.1)
@@ -94,7 +94,13 @@ def test_auto_runs_the_hybrid_with_the_drafter_it_was_measured_with(drafters, mo
     ship(drafters, "hybrid", 1.3, ngram=1.25)
     card = drafters / "tiny-chat" / "hybrid" / "card.json"
     data = json.loads(card.read_text())
-    data["benchmark"]["settings"] = {"k": 4, "policy": "confidence", "confidence": 0.3, "drafter": "eagle"}
+    data["benchmark"]["settings"] = {
+        "k": 4,
+        "policy": "confidence",
+        "confidence": 0.3,
+        "drafter": "eagle",
+        "lookup": "ngram",  # not the hybrid's default (suffix): the card's own
+    }
     card.write_text(json.dumps(data))
     assert best_method(TARGET) == "hybrid" and set(shipped_drafters(TARGET)) == {"medusa", "eagle"}
     assert api.best_drafter(TARGET) == "eagle"  # what the hybrid was measured with, not the best alone
@@ -106,7 +112,14 @@ def test_auto_runs_the_hybrid_with_the_drafter_it_was_measured_with(drafters, mo
     )
     monkeypatch.setattr(api, "Decoder", lambda model, proposer, k, **o: seen.update(k=k, policy=o["policy"].name))
     api.SpeculativeGenerator(api.LoadedModel(model=None, tokenizer=None, source=TARGET.source))
-    assert seen == {"method": "hybrid", "drafter": "eagle", "confidence_threshold": 0.3, "k": 4, "policy": "confidence"}
+    assert seen == {
+        "method": "hybrid",
+        "drafter": "eagle",
+        "lookup": "ngram",
+        "confidence_threshold": 0.3,
+        "k": 4,
+        "policy": "confidence",
+    }
 
 
 def test_hybrid_without_a_trained_drafter_is_refused(drafters):

@@ -171,3 +171,12 @@ def test_hybrid_given_a_draft_model_uses_it_as_its_second_source():
     draft = LoadedModel(model=MarkovLM(5, seed=1), tokenizer=Vocab(), source="/nowhere/draft")
     proposer = make_proposer("hybrid", target, draft)
     assert proposer.drafter.name == "draft"
+
+
+def test_the_hybrids_lookup_is_suffix_decoding_unless_asked_for_ngram():
+    """Suffix decoding measured at least as fast as n-gram lookup in every pairing we have
+    (BENCHMARKS.md, session 42), so it is the default; ``lookup="ngram"`` keeps n-gram."""
+    target = tiny_native(vocab=5, seed=0)
+    drafter = hybrid(target, "medusa").drafter
+    assert HybridProposer(drafter).suffix is not None
+    assert HybridProposer(drafter, lookup="ngram").suffix is None
