@@ -267,3 +267,18 @@ def test_rms_norm_and_silu_mul_match_torch_and_rows_are_independent():
     for i in (0, 5, 10):
         assert torch.equal(int8dot.rms_norm(x[i : i + 1].contiguous(), w, 1e-5), y[i : i + 1])
         assert torch.equal(int8dot.silu_mul(gu[i : i + 1].contiguous()), z[i : i + 1])
+
+
+def test_a_killed_builds_lock_file_does_not_hang_the_next_build(tmp_path):
+    """torch's build lock is a file a killed build leaves behind (every later load then waited
+    forever); under the OS-held build lock such a file is a dead build's, and is removed. The
+    build lock itself is exclusive while held."""
+    import fcntl
+
+    (tmp_path / "lock").write_text("")
+    with int8dot._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        with open(tmp_path / "build.flock") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / "build.flock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on leaving

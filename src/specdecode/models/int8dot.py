@@ -17,6 +17,8 @@ with :func:`unavailable_reason` saying why.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -88,19 +90,33 @@ def _build_for(name: str) -> tuple[ModuleType | None, str | None]:
         tag.update(torch.__version__.encode())
         folder = cache_root() / "ext" / f"int8dot-{name}-{tag.hexdigest()[:12]}"
         folder.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(
-            name=f"specdecode_int8dot_{name}",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=cflags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=False,
-        )
+        with _build_lock(folder):
+            module = cpp_extension.load(
+                name=f"specdecode_int8dot_{name}",
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=cflags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back
         lines = str(exc).strip().splitlines()
         errors = [ln.strip() for ln in lines if "error" in ln.lower()][1:2] or lines[:1]  # the compiler's own
         return None, f"the kernel did not build ({errors[0] if errors else type(exc).__name__})"
     return module, None
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """One build at a time in ``folder``, under a lock the OS drops when its holder dies.
+
+    torch's own build lock is a file (``folder/lock``) that a build killed part way (Ctrl-C, a
+    stopped CI job) leaves behind, and every later load then waits on it forever. Under this
+    lock no other process of ours is building, so such a file is a dead build's: removed."""
+    with open(folder / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released on close, or when the process dies
+        (folder / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _cflags(name: str) -> list[str]:
