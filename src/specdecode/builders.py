@@ -100,7 +100,7 @@ def build_medusa(target: LoadedModel, draft: DraftArg = None, **options: Any) ->
 
 
 def build_hybrid(target: LoadedModel, draft: DraftArg = None, **options: Any) -> Proposer:
-    """Prompt lookup where the context repeats, else ``drafter``, which gets the other options.
+    """A lookup where the context repeats, else ``drafter``, which gets the other options.
     Its default: a loaded draft model when one is given (``draft``: the 0.5B beside a Qwen 1.5B
     target, which has no trained drafter), else the trained drafter the shipped card was
     measured with (:func:`~specdecode.api.best_drafter`)."""

@@ -274,7 +274,7 @@ for _spec in (
         composed=True,
         confidence=True,
         uses_draft=True,
-        description="prompt lookup where the context repeats, else a trained drafter or the given draft model",
+        description="a lookup (suffix decoding) where the context repeats, else a trained drafter or the given draft model",
     ),
 ):
     register_method(_spec)

@@ -1,4 +1,4 @@
-"""Lookup first, trained drafter second: prompt lookup where the context repeats itself, else a
+"""Lookup first, trained drafter second: a lookup where the context repeats itself, else a
 trained drafter (EAGLE, Medusa or the distilled draft model).
 
 Prompt lookup costs nothing to draft and is accepted often where the answer copies the prompt
@@ -6,8 +6,8 @@ Prompt lookup costs nothing to draft and is accepted often where the answer copi
 drafter costs a little per token and guesses everywhere. Each round takes the lookup when the
 context's tail (at least ``min_match`` tokens) occurred before, and asks the drafter otherwise;
 when the drafter drafts nothing (its confidence stop), a shorter match is tried last. The lookup
-is n-gram prompt lookup, or suffix decoding (``lookup="suffix"``), which also continues what this
-proposer's earlier requests wrote.
+is suffix decoding (the default), which also continues what this proposer's earlier requests
+wrote, or n-gram prompt lookup (``lookup="ngram"``).
 
 Each round's source is named before the engine chooses k (``source``): the engine keeps
 acceptance and draft speed per source, and a draft model reads the context it has not seen only
