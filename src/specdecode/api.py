@@ -109,6 +109,11 @@ def benchmarked_settings(target: LoadedModel, method: str) -> dict[str, Any]:
     return _kept((card.get("benchmark") or {}).get("settings") or {})
 
 
+def measured_options(settings: dict[str, Any]) -> dict[str, Any]:
+    """The proposer options among a card's settings (the hybrid's drafter and lookup)."""
+    return {key: settings[key] for key in ("drafter", "lookup") if key in settings}
+
+
 def _kept(settings: dict[str, Any]) -> dict[str, Any]:
     """The settings ``auto`` runs with, out of a card's."""
     keys = ("k", "policy", "confidence", "drafter", "lookup", "draft", "draft_dtype")
@@ -179,9 +184,8 @@ def resolve_speculation(
     k = measured.get("k", 4) if k is None else k  # int, or "auto"
     policy = policy or measured.get("policy")
     confidence = measured.get("confidence", 0.5) if confidence is None else confidence
-    for key in ("drafter", "lookup"):  # the hybrid's, as measured
-        if key in measured:
-            proposer_options.setdefault(key, measured[key])
+    for key, value in measured_options(measured).items():
+        proposer_options.setdefault(key, value)
     if k == "auto":
         policy, k = "auto", k_max
     policy = policy or "fixed"

@@ -456,7 +456,7 @@ class Arm:
 
 def resolve_arm(spec: ArmSpec, target: Any, opts: Options) -> Arm:
     """The arm for ``spec`` on ``target``: ``best`` is :func:`best_method` with its card's settings."""
-    from specdecode.api import benchmarked_settings, best_method
+    from specdecode.api import benchmarked_settings, best_method, measured_options
     from specdecode.methods import TREE_ONLY
 
     if spec.base == "none":
@@ -467,9 +467,7 @@ def resolve_arm(spec: ArmSpec, target: Any, opts: Options) -> Arm:
     options: dict[str, Any] = {}
     if settings.get("policy") == "confidence":
         options["confidence_threshold"] = settings.get("confidence", 0.5)
-    for key in ("drafter", "lookup"):  # the hybrid's, as measured
-        if key in settings:
-            options[key] = settings[key]
+    options |= measured_options(settings)
     if spec.options:  # written after the name; checked here too for best, now that it has a method
         method_spec(method).check_options([key for key, _ in spec.options])
         options.update(spec.options)

@@ -491,9 +491,7 @@ class Engine:
         4-token warm-up must not teach that answers are 4 tokens): it may raise the figure,
         never lower or start it."""
         typical, made = self.memory.output_tokens, float(r.output.count)
-        if r.output.finish_reason != "length":
-            self.memory.output_tokens = _blend(typical, made)
-        elif typical is not None and made > typical:
+        if r.output.finish_reason != "length" or (typical is not None and made > typical):
             self.memory.output_tokens = _blend(typical, made)
 
     # -- reports ---------------------------------------------------------------------------------

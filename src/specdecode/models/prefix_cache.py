@@ -105,16 +105,19 @@ class PrefixCache:
         """Positions of ``tokens`` (a sequence whose first ``rows`` are read in chunks of ``chunk``
         at fixed offsets, by a model with ``prefix_rest`` ``rest``) the store can supply so that
         the rows after them are computed bitwise as a read from 0 computes them."""
+        return self._reusable(tokens, rows, chunk, rest, salt, cold_paths(rows, len(tokens), chunk, rest))
+
+    def reuse(self, cache, tokens: Sequence[int], rows: int, chunk: int, rest: int, salt: str | None = None) -> int:
+        """Load :meth:`reusable`'s positions into the empty ``cache``; how many it loaded."""
         paths = cold_paths(rows, len(tokens), chunk, rest)
+        n = self._reusable(tokens, rows, chunk, rest, salt, paths)
+        return self.load(cache, tokens, n, salt, paths) if n else 0
+
+    def _reusable(self, tokens: Sequence[int], rows: int, chunk: int, rest: int, salt: str | None, paths: Paths) -> int:
         n = self.match(tokens, rows, salt, paths)
         while n and not split_exact(n, rows, chunk, rest):
             n -= self.align
         return n
-
-    def reuse(self, cache, tokens: Sequence[int], rows: int, chunk: int, rest: int, salt: str | None = None) -> int:
-        """Load :meth:`reusable`'s positions into the empty ``cache``; how many it loaded."""
-        n = self.reusable(tokens, rows, chunk, rest, salt)
-        return self.load(cache, tokens, n, salt, cold_paths(rows, len(tokens), chunk, rest)) if n else 0
 
     def load(self, cache, tokens: Sequence[int], n: int, salt: str | None = None, paths: Paths = None) -> int:
         """Copy the stored keys/values of ``tokens[:n]`` into the empty ``cache``; the positions
@@ -272,15 +275,18 @@ class PrefixScope:
 
     def keep(self, model, tokens: Sequence[int], cache) -> None:
         """Store ``cache``'s positions of ``tokens``, computed as one read of them, for later requests."""
-        store = None if self.store is None else self.store.companion(model)
+        store = self._companion(model)
         if store is not None:
             n = len(tokens)
             store.store(tokens, cache, self.salt, cold_paths(n, n, max(n, 1), model.caps.prefix_rest))
 
     def _for(self, model, tokens: Sequence[int]) -> PrefixCache | None:
         """``model``'s companion store, where ``tokens`` are long enough to take from it."""
-        store = None if self.store is None else self.store.companion(model)
+        store = self._companion(model)
         return store if store is not None and len(tokens) > store.align else None
+
+    def _companion(self, model) -> PrefixCache | None:
+        return None if self.store is None else self.store.companion(model)
 
 
 def _keyed(tokens: Sequence[int], paths: Paths) -> tuple[torch.Tensor, torch.Tensor]:

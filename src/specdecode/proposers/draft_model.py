@@ -71,7 +71,7 @@ class DraftModelProposer(PerRequest):
         self.agreed = 0  # cached[:agreed] is known to equal the view of the committed context
         self.skipped: tuple[int, int] = (0, 0)  # the slice of the context the draft never reads
         self.reused = 0  # positions of this request's read taken from the prefix store
-        self.prompt: list[int] = []
+        self.first_read: list[int] = []  # what the first read covers of the prompt (its view, less the last)
 
     def reset(self, prompt_ids: list[int]) -> None:
         # Caches grow on demand; start with room for the prompt and a typical answer. The prompt
@@ -80,7 +80,7 @@ class DraftModelProposer(PerRequest):
         cut = len(prompt_ids) - SINK - self.prompt_window
         self.skipped = (SINK, SINK + cut) if self.prompt_window and cut > 0 else (0, 0)
         self.cache = self.model.new_cache(min(self.max_length, len(prompt_ids) - self.dropped + 512))
-        self.prompt = prompt_ids
+        self.first_read = self._view(prompt_ids)[:-1]  # priced every step until read: built once
         self.cached = []
         self.agreed = 0
         self.reused = 0
@@ -96,7 +96,7 @@ class DraftModelProposer(PerRequest):
         lo, hi = self.skipped
         n = end - start - max(0, min(end, hi) - max(start, lo))
         if start == 0 and not self.cached and self.prefix_scope is not None:
-            n -= min(self.prefix_scope.reusable(self.model, self._view(self.prompt)[:-1]), n)
+            n -= min(self.prefix_scope.reusable(self.model, self.first_read), n)
         return n
 
     def _view(self, context: list[int]) -> list[int]:
