@@ -199,3 +199,25 @@ def test_auto_prices_deep_drafts_by_the_rounds_that_drafted_them():
     assert min(direct[1:6]) > 0.95
     assert policy.accept_by_position()[5] < 0.75 * direct[5]
     assert policy.reach_by_position()[5] < 0.7
+
+
+def test_a_fully_accepted_short_round_does_not_price_deep_drafts_like_short_ones():
+    """A drafter whose first two tokens pass and whose third fails (the 0.5B translating): deep
+    rounds keep two tokens. A fully accepted two-token round hints the run may go on, but only as
+    far as the deeper positions' own acceptance carries it. Drifting every deeper estimate toward
+    the second position's figure priced eight drafts like two, and the planner swung back to k = 8
+    after each short round (Spec-Bench 166: k 2, 2, 8, 2, 2, 8, ...)."""
+    from specdecode.engine.planner import Candidate, ForwardCosts, plan
+
+    policy = AutoK(8, costs=constant_costs(0.0, FLAT))
+    for _ in range(4):
+        policy.update(8, 2, 0, 0, planned=8)  # a deep round: two kept, the third rejected
+        for _ in range(3):
+            policy.update(2, 2, 0, 0, planned=2)  # short rounds, fully accepted
+    drafted = policy.accept_when_drafted()
+    assert drafted[1] > 0.8
+    assert drafted[7] < 0.3
+    costs = ForwardCosts(ema=1.0)  # the 1.5B on two cores: c(9) ~ 2.3 c(1)
+    for n in range(1, 10):
+        costs.observe(n, 0.030 + 0.005 * (n - 1))
+    assert plan([Candidate(drafted, 0.011, 8)], 0, 0.0, costs) == [2]

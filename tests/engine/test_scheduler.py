@@ -524,7 +524,7 @@ def test_free_scored_drafts_are_made_first_and_only_the_sure_prefix_is_verified(
     assert request.result.token_ids == alone(target, [1, 2, 3, 4], 24)
     cut = [(scores, k) for scores, k in seen if k < 6]
     assert cut and all(len(scores) == k for scores, k in seen)  # verified exactly what was planned
-    assert engine.memory.calibrations[(id(spec.proposer), "greedy")].judged != [0.0] * 10  # and learnt from it
+    assert engine.memory.calibrations[(id(spec.proposer), "", "greedy")].judged != [0.0] * 10  # and learnt from it
 
 
 def test_one_slow_forward_does_not_price_drafts_out_for_good():
@@ -559,11 +559,11 @@ def test_a_decoders_runs_share_what_the_planner_learnt():
     first = decoder.run([1, 2, 3, 4], GenerationConfig(max_new_tokens=16))
     first.result()
     assert first.engine.memory is decoder.memory and decoder.memory.costs.points
-    judged = sum(decoder.memory.calibrations[(id(decoder.spec.proposer), "greedy")].judged)
+    judged = sum(decoder.memory.calibrations[(id(decoder.spec.proposer), "", "greedy")].judged)
     second = decoder.run([4, 3, 2, 1], GenerationConfig(max_new_tokens=16))
     assert second.engine is not first.engine and second.engine.memory is decoder.memory
     assert second.result().token_ids == alone(target, [4, 3, 2, 1], 16)
-    assert sum(decoder.memory.calibrations[(id(decoder.spec.proposer), "greedy")].judged) > judged > 0
+    assert sum(decoder.memory.calibrations[(id(decoder.spec.proposer), "", "greedy")].judged) > judged > 0
     assert Engine(target).memory is not decoder.memory  # an engine of its own learns alone
 
 
@@ -643,6 +643,33 @@ def test_a_composite_proposer_is_planned_source_by_source():
     assert set(engine.memory.acceptance) == {(key, "lookup", "greedy"), (key, "drafter", "greedy")}
     rates = engine.memory.draft_rates
     assert rates[(key, "lookup")] < rates[(key, "drafter")] / 5  # a lookup costs next to nothing
+
+
+def test_a_hybrids_suffix_lookup_rounds_are_drafted_first_and_priced_by_their_scores():
+    """A hybrid's suffix-lookup round is what a suffix proposer's every round is (deterministic,
+    nearly free, scored): drafted to k_max before the planner chooses k and priced by what its
+    scores proved worth, learnt apart from the drafter's rounds. Unscored, lookup rounds were
+    priced by their measured acceptance alone, and at 16 requests the hybrid verified drafts that
+    plain suffix decoding cut. Tokens are unchanged."""
+    target = tiny_native(vocab=8, seed=5, layers=2)
+    proposer, drafter, log = hybrid_with_twin(target)
+    spec = Speculation(proposer, policy=make_policy("auto", 6))
+    engine = _steep_engine(target)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2] * 2
+    request = engine.submit(prompt, GenerationConfig(max_new_tokens=40), spec)
+    lookups, drafter_rounds = [], []
+    while engine.busy:
+        engine.step()
+        if request.status == RUNNING and request.source.name == "lookup":
+            lookups.append((request.drafts_first, request.draft_scores(), request.k))
+        elif request.status == RUNNING and request.k:
+            drafter_rounds.append(request.drafts_first)
+    assert request.result.token_ids == alone(target, prompt, 40)
+    assert lookups and all(first and len(scores or []) == k for first, scores, k in lookups)
+    assert not any(drafter_rounds)  # the draft model's rounds cost drafting: planned as before
+    key = id(proposer)
+    assert engine.memory.calibrations[(key, "lookup", "greedy")].judged != [0.0] * 10
+    assert (key, "drafter", "greedy") not in engine.memory.calibrations  # its drafts carry no scores
 
 
 def test_a_source_that_does_not_pay_stays_off_while_another_drafts():

@@ -191,8 +191,8 @@ class PlannerMemory:
     the proposer object's id, which the owner of this memory keeps alive) its seconds per
     context token read; for each of its sources (:class:`~specdecode.proposers.base.Source`)
     its seconds per token drafted (keyed by (id, source name)); and, apart for greedy requests
-    and for each sampling temperature, its score calibration (keyed by (id, regime)) and each
-    source's acceptance history (keyed by (id, source name, regime)): a draft that must equal
+    and for each sampling temperature, each source's score calibration and acceptance history
+    (both keyed by (id, source name, regime)): a draft that must equal
     the argmax is accepted far less often than one kept with probability min(1, p/q), so what
     sampled requests measured must not price a greedy one's drafts.
 
@@ -206,7 +206,7 @@ class PlannerMemory:
     def __init__(self) -> None:
         self.costs = ForwardCosts()
         self.read_rates: dict[int, float] = {}  # a proposer's measured seconds per context token it reads
-        self.calibrations: dict[tuple[int, str], ScoreCalibration] = {}  # what draft scores are worth
+        self.calibrations: dict[tuple[int, str, str], ScoreCalibration] = {}  # what a source's scores are worth
         self.draft_rates: dict[tuple[int, str], float] = {}  # a source's seconds per drafted token
         self.acceptance: dict[tuple[int, str, str], AcceptanceHistory] = {}  # where a source's next request starts
         self.output_tokens: float | None = None  # tokens a finished request made (EMA), to spread reads over

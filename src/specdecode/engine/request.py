@@ -345,10 +345,12 @@ class Request:
 
     @property
     def drafts_first(self) -> bool:
-        """The proposer's drafts are free and scored (``caps.scored_drafts``) and this round is a
-        plain chain: draft k_max first, then let the planner choose how many to verify."""
+        """The proposer's drafts are free and scored (``caps.scored_drafts``, or this round's
+        source is: a hybrid's suffix lookup) and this round is a plain chain: draft k_max first,
+        then let the planner choose how many to verify."""
         p = self.proposer
-        return p is not None and p.caps.scored_drafts and self.spec.tree is None and self.shadow is None
+        scored = p is not None and (p.caps.scored_drafts or self.source.scored)
+        return scored and self.spec.tree is None and self.shadow is None
 
     def draft_scores(self) -> list[float] | None:
         """This round's draft scores, where choosing k from them keeps sampling exact: a

@@ -334,7 +334,7 @@ class Engine:
         return Candidate(self._calibration(r).accept_by_position(scores), 0.0, len(scores))
 
     def _calibration(self, r: Request) -> ScoreCalibration:
-        key = (id(r.spec.proposer), r.regime)  # asked twice a step: no new calibration unless missing
+        key = r.history_key()  # asked twice a step: no new calibration unless missing
         cal = self.memory.calibrations.get(key)
         return cal if cal is not None else self.memory.calibrations.setdefault(key, ScoreCalibration())
 

@@ -49,10 +49,14 @@ class Source:
 
     ``catches_up``: the round needs the proposer's ``catch_up`` first (where ``caps.catches_up``).
     A lookup round does not, so a draft model reads the context only before a round it drafts.
+    ``scored``: this round's drafts are what ``caps.scored_drafts`` promises of a whole proposer
+    (deterministic, nearly free, with ``Draft.scores``), so the engine may draft k_max first and
+    verify the prefix the scores pay for, as it does for such a proposer's every round.
     """
 
     name: str = ""
     catches_up: bool = True
+    scored: bool = False
 
 
 SINGLE = Source()  # a proposer with one drafter (and any round the engine does not plan by source)

@@ -34,6 +34,7 @@ from specdecode.proposers.suffix import SuffixProposer
 LOOKUPS = ("ngram", "suffix")
 DEFAULT_LOOKUP = "suffix"
 LOOKUP = Source("lookup", catches_up=False)  # a lookup round: the drafter need not read anything
+SCORED_LOOKUP = Source("lookup", catches_up=False, scored=True)  # suffix decoding's, scored by match length
 DRAFTER = Source("drafter")
 
 
@@ -102,7 +103,9 @@ class HybridProposer(PerRequest):
         named here (the lookup's drafts, cut to the k the engine chose)."""
         if self._named is None or self._named[0] != len(context):  # not named yet for this context
             self._named = (len(context), *self._lookup_or_empty(context, k))
-        return LOOKUP if self._named[1].k else DRAFTER
+        if not self._named[1].k:
+            return DRAFTER
+        return LOOKUP if self.suffix is None else SCORED_LOOKUP
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         named, self._named = self._named, None
@@ -126,7 +129,7 @@ class HybridProposer(PerRequest):
         suffix's shorter draft, kept for a round the drafter leaves empty)."""
         if self.suffix is None:
             return _chain(lookup(context, k, self.max_ngram, self.min_match)), None
-        drafted = Draft(tokens=self.suffix.propose(context, k, SamplingConfig(), None).tokens)  # unscored: q one-hot
+        drafted = self.suffix.propose(context, k, SamplingConfig(), None)  # q one-hot (probs None), scored
         return (drafted, None) if drafted.k >= min(k, self.min_match) else (Draft.empty(), drafted)
 
     def _short_ngram(self, context: list[int], k: int) -> Draft:
