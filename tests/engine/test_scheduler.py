@@ -809,3 +809,27 @@ def test_a_k_chosen_from_the_scores_of_sampled_drafts_is_caught(monkeypatch):
         Request, "draft_scores", lambda r: None if r.draft.scores is None else r.draft.scores[0].tolist()
     )
     assert _scored_pvalue(sampled=True) < ALPHA
+
+
+def test_a_prompt_chunk_is_counted_in_scoring_rows_worth():
+    """A prompt row skips the output head; a decode or verify row does not. The cost curve counts
+    each prompt row as (1 - head_share) of a scoring row, so a draft added beside a prompt chunk
+    is priced at a scoring row's cost, not at the chunk's cheaper average (on the Qwen 1.5B a
+    verify row costs 7.2 ms where a step of 112 mostly prompt rows averages 5.9)."""
+    import dataclasses
+
+    target = tiny_native(vocab=8, seed=5, layers=2)
+    c = target.config
+    head = c.vocab_size * c.hidden_size
+    layer = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.hidden_size * c.intermediate_size
+    assert target.caps.head_share == pytest.approx(head / (head + c.num_layers * layer))
+    target.caps = dataclasses.replace(target.caps, head_share=0.5)  # a head as big as the layers
+    engine = Engine(target, config=EngineConfig(prefill_chunk=32))
+    first = engine.submit([1, 2, 3], GenerationConfig(max_new_tokens=40))
+    while first.status != RUNNING:
+        engine.step()
+    engine.submit(list(range(1, 8)) * 10, GenerationConfig(max_new_tokens=4))  # 70 tokens: chunks of 32
+    engine.memory.costs = ForwardCosts()
+    engine.step()  # one decode row beside a 32-row prompt chunk
+    assert list(engine.memory.costs.points) == [17]  # 32 * 0.5 + 1, not 33
+    assert engine.steps[-1].rows == 33  # reports still count every row

@@ -180,3 +180,19 @@ def test_the_hybrids_lookup_is_suffix_decoding_unless_asked_for_ngram():
     drafter = hybrid(target, "medusa").drafter
     assert HybridProposer(drafter).suffix is not None
     assert HybridProposer(drafter, lookup="ngram").suffix is None
+
+
+def test_a_suffix_lookup_round_is_scored_and_an_ngram_one_is_not():
+    """A suffix lookup round keeps suffix decoding's scores and is named a scored source, so the
+    engine drafts it first and prices it by them, as it does plain suffix decoding's rounds; an
+    n-gram round has no scores to offer."""
+    target = tiny_native(vocab=5, seed=0)
+    drafter = hybrid(target, "medusa").drafter
+    prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2, 3]
+    for lookup, scored in (("suffix", True), ("ngram", False)):
+        state = HybridProposer(drafter, lookup=lookup).start(prompt)
+        source = state.source(prompt, 4)
+        assert source.name == "lookup" and source.scored is scored
+        draft = state.propose(prompt, 4, SamplingConfig(), None)
+        assert draft.k and (draft.scores is not None) is scored
+        assert draft.probs is None  # deterministic: q one-hot, as the scored path requires

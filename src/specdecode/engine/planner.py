@@ -256,10 +256,10 @@ class Candidate:
 
 def plan(
     candidates: Sequence[Candidate],
-    other_rows: int,
+    other_rows: float,
     other_tokens: float,
     costs: ForwardCosts,
-    prefill_rows: int = 0,
+    prefill_rows: float = 0,
 ) -> list[int]:
     """k for each candidate, maximising the step's predicted committed tokens per second.
 
@@ -272,7 +272,8 @@ def plan(
     ``prefill_rows`` (part of ``other_rows``) is prompt work the step does whatever k is: its
     share of the forward is not charged to decoding. Charged, a step carrying a long prefill
     chunk looks so slow per token that any draft seems worth a row, and on a saturated machine
-    those rows cost the whole run time.
+    those rows cost the whole run time. Rows are counted as ``costs`` counts them: the engine
+    counts a prompt row, which skips the output head, as a fraction of a row that scores.
     """
     ks = [0] * len(candidates)
     start = rows = other_rows + len(candidates)  # rows before any draft

@@ -189,8 +189,8 @@ class AutoK:
     Acceptance per position is an EMA of conditional acceptance; k changes only when the
     predicted gain beats ``margin`` (hysteresis). At k = 0 speculation is off; every
     ``probe_every`` rounds a short probe re-measures acceptance so it can come back on.
-    ``drift``: the pace, as a share of ``ema``, at which positions a round did not reach move
-    up toward what it measured (see ``update``).
+    ``drift``: the pace, as a share of ``ema``, at which positions a round did not judge move
+    up toward the last one it judged (see ``update``).
     """
 
     name = "auto"
@@ -205,7 +205,7 @@ class AutoK:
         margin: float = 0.05,
         probe_every: int = 8,
         probe_k: int = 2,
-        drift: float = 0.25,
+        drift: float = 0.5,
     ) -> None:
         self.k_max, self.ema, self.prior, self.margin, self.drift = k_max, ema, prior, margin, drift
         self.probe_every, self.probe_k = probe_every, min(probe_k, k_max)
@@ -269,31 +269,39 @@ class AutoK:
         judged = min(accepted + 1, drafted)  # positions the target actually judged
         for i in range(judged):
             self.cond[i] = _ema(self.cond[i], float(i < accepted), self.ema)
-        # Positions the target did not judge only drift up, toward the last judged one (a fully
-        # accepted round hints the run goes on). Pulling them down too made a low k keep itself
-        # low: deep positions, often accepted once the first is, were never seen again. cond[0]
-        # alone still turns a useless draft off. They drift at a quarter of the EMA's pace: a
-        # hint is not a measurement, and at full pace three short rounds wiped out a deep
-        # position's measured rejection, so the planner kept going back to drafts that failed.
-        if judged:
-            last = self.cond[judged - 1]
-            for i in range(judged, self.k_max):
-                if last > self.cond[i]:
-                    self.cond[i] = _ema(self.cond[i], last, self.ema * self.drift)
-        if 0 < drafted == accepted < self.k_max:  # all accepted: deeper positions drift up too,
-            # toward the run going on at each deeper position's conditional acceptance. Drifting
-            # toward the last drafted position's own figure priced eight drafts like two: on a
-            # request that keeps two (translation with the 0.5B) every fully accepted short
-            # round sent the planner back to k = 8, for one or two tokens a time.
-            run = self.drafted_accept[drafted - 1]
-            for i in range(drafted, self.k_max):
-                run *= self.cond[i]
-                if run > self.drafted_accept[i]:
-                    self.drafted_accept[i] = _ema(self.drafted_accept[i], run, self.ema * self.drift)
+        self._drift_unjudged(judged)
+        if 0 < drafted == accepted < self.k_max:
+            self._extend_run(drafted)
         best = best_k(self.k_max, self.accept_by_position(), self.costs.draft_s_per_token(), self.costs.verify_s)
         if best != self.k and self.rate(best) > (1 + self.margin) * self.rate(self.k):
             self.k = best
             self.off_rounds = 0
+
+    def _drift_unjudged(self, judged: int) -> None:
+        """Positions the target did not judge only drift up, toward the last judged one (a fully
+        accepted round hints the run goes on). Pulling them down too made a low k keep itself
+        low: deep positions, often accepted once the first is, were never seen again. cond[0]
+        alone still turns a useless draft off. They drift at ``drift`` of the EMA's pace: a hint
+        is not a measurement, and at full pace three short rounds wiped out a deep position's
+        measured rejection, so the planner kept going back to drafts that failed."""
+        if not judged:
+            return
+        last = self.cond[judged - 1]
+        for i in range(judged, self.k_max):
+            if last > self.cond[i]:
+                self.cond[i] = _ema(self.cond[i], last, self.ema * self.drift)
+
+    def _extend_run(self, drafted: int) -> None:
+        """All ``drafted`` drafts accepted: deeper positions' P(1..i all accepted) drifts up toward
+        the run going on at each deeper position's conditional acceptance. Drifting toward the
+        last drafted position's own figure priced eight drafts like two: on a request that keeps
+        two (translation with the 0.5B) every fully accepted short round sent the planner back to
+        k = 8, for one or two tokens a time."""
+        run = self.drafted_accept[drafted - 1]
+        for i in range(drafted, self.k_max):
+            run *= self.cond[i]
+            if run > self.drafted_accept[i]:
+                self.drafted_accept[i] = _ema(self.drafted_accept[i], run, self.ema)
 
 
 def make_policy(name: str, k_max: int) -> KPolicy:

@@ -772,6 +772,15 @@ def _packing_works(sample: torch.Tensor) -> bool:
         return False
 
 
+def head_share(config: NativeConfig) -> float:
+    """The output head's share of one row's matrix multiply-adds (``ModelCaps.head_share``)."""
+    c = config
+    head = c.vocab_size * c.hidden_size
+    attention = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # q, k, v, o
+    mlp = 3 * c.hidden_size * c.intermediate_size  # gate, up, down
+    return head / (head + c.num_layers * (attention + mlp))
+
+
 class NativeCausalLM:
     """``CausalLM`` running a Llama-family checkpoint with plain PyTorch ops and a static cache."""
 
@@ -813,7 +822,9 @@ class NativeCausalLM:
         self._prompt_copies = any(m.prompt_copy is not None for m in quant_matrices(weights))
         # Chunks of PROMPT_ROWS_MIN+ rows run on the copies, shorter ones and decode rows not.
         rest = PROMPT_ROWS_MIN if self._prompt_copies else 1
-        self.caps = dataclasses.replace(self.caps, prefix_rest=rest, row_exact=row_exact and not self._prompt_copies)
+        self.caps = dataclasses.replace(
+            self.caps, prefix_rest=rest, row_exact=row_exact and not self._prompt_copies, head_share=head_share(config)
+        )
         self._stack: Any = None  # layer_stack(weights), built at the first forward: weights are final by then
         self._stack_built = False
 
