@@ -821,7 +821,9 @@ def test_a_prompt_chunk_is_counted_in_scoring_rows_worth():
     target = tiny_native(vocab=8, seed=5, layers=2)
     c = target.config
     head = c.vocab_size * c.hidden_size
-    layer = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.hidden_size * c.intermediate_size
+    layer = (
+        c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.hidden_size * c.intermediate_size
+    )
     assert target.caps.head_share == pytest.approx(head / (head + c.num_layers * layer))
     target.caps = dataclasses.replace(target.caps, head_share=0.5)  # a head as big as the layers
     engine = Engine(target, config=EngineConfig(prefill_chunk=32))
