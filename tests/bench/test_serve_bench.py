@@ -194,6 +194,26 @@ def test_arm_names():
             parse_arm(bad)
 
 
+def test_best_runs_a_card_measured_at_k_auto_with_k_planned(tmp_path, monkeypatch):
+    """A card recorded from a k=auto cell: ``best`` plans k as measured (an int() of "auto" was a
+    crash); ``best-kN`` still pins k."""
+    from types import SimpleNamespace
+
+    from specdecode.bench.serve import parse_options, resolve_arm
+    from specdecode.networks import storage
+
+    monkeypatch.setattr(storage, "DRAFTERS_DIR", tmp_path)
+    card = {"method": "suffix", "benchmark": {"speedup": 1.7, "ngram_speedup": 1.5, "settings": {"k": "auto"}}}
+    (tmp_path / "tiny-chat" / "suffix").mkdir(parents=True)
+    (tmp_path / "tiny-chat" / "suffix" / "card.json").write_text(json.dumps(card))
+    target = SimpleNamespace(source="/models/Tiny-Chat.Q4_1-abc123")
+    opts = parse_options(["--out", str(tmp_path / "o"), "--k-max", "6"])
+    best = resolve_arm(parse_arm("best"), target, opts)
+    assert (best.method, best.kind, best.policy, best.k, best.fixed_k) == ("suffix", "auto", "auto", 6, False)
+    pinned = resolve_arm(parse_arm("best-k3"), target, opts)
+    assert (pinned.method, pinned.policy, pinned.k) == ("suffix", "fixed", 3)
+
+
 def test_table_policy_follows_the_batch_size_in_the_engine():
     model = tiny_native(vocab=8, seed=2)
     engine = Engine(model)

@@ -284,9 +284,9 @@ def test_a_draft_reads_from_its_own_store_and_writes_its_cache_bitwise_as_a_cold
     first.catch_up(PROMPTS[0] + [1])
     second = proposer.start(PROMPTS[1], prefix_scope=scope)
     n = len(PROMPTS[1])
-    assert second.reads(0, n + 1) == n + 1 - 32  # the engine prices the read by what is left to read
+    assert second.reads(PROMPTS[1] + [1], 0) == n + 1 - 32  # the engine prices the read by what is left
     second.catch_up(PROMPTS[1] + [1])
-    assert second.reads(n, n + 1) == 1
+    assert second.reads(PROMPTS[1] + [1, 2, 3], n) == 3  # what was committed since, the last one included
     cold = proposer.start(PROMPTS[1])
     cold.catch_up(PROMPTS[1] + [1])
     assert (first.stats(), second.stats(), cold.stats()) == (

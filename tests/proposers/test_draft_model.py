@@ -34,15 +34,34 @@ def test_a_windowed_draft_reads_the_sinks_and_the_prompts_tail_then_everything_g
     state = DraftModelProposer(draft, prompt_window=6).start(PROMPT)
     assert state.skipped == (SINK, len(PROMPT) - 6) and state.dropped == len(PROMPT) - SINK - 6
     context = PROMPT + [3]
-    assert state.reads(0, len(context)) == SINK + 6 + 1  # what the engine prices the read by
-    assert state.reads(2, 9) == 2 and state.reads(len(PROMPT), len(context)) == 1
+    assert state.reads(context, 0) == SINK + 6 + 1  # what the engine prices the read by
     state.catch_up(context)
     assert fed == [SINK + 6]  # all of the view but its last token: the first round feeds that
+    assert state.reads(context, len(context)) == 0
     out = state.propose(context, 3, GREEDY, None)
     context += out.tokens[0].tolist() + [2]
     state.propose(context, 2, GREEDY, None)
     assert state._view(context) == PROMPT[:SINK] + context[len(PROMPT) - 6 :]
     assert state.cache.length == len(state._view(context)) + 1  # and this round's first draft
+
+
+def test_a_draft_prices_no_read_for_the_drafts_it_fed_itself():
+    """After a round whose k drafts the target all kept, 0 to read: the draft fed itself drafts
+    1..k-1, and the last draft and the bonus token go with the next round (counted from the
+    engine's last read, k + 1 tokens were priced as a read to come). Tokens committed while the
+    request did not draft are read, all but the last."""
+    draft = tiny_llama(vocab=6, seed=5)
+    fed = _fed(draft)
+    state = DraftModelProposer(draft).start(PROMPT)
+    context = PROMPT + [3]
+    state.catch_up(context)
+    last_read = len(context)
+    context += state.propose(context, 4, GREEDY, None).tokens[0].tolist() + [2]  # all 4 kept, bonus 2
+    assert state.reads(context, last_read) == 0 and state.catch_up(context) == 0
+    context += [1, 4, 0, 5]  # committed at k = 0
+    assert state.reads(context, last_read) == 2 + 4  # the last draft, the bonus, the four
+    del fed[:]
+    assert state.catch_up(context) == 5 and fed == [5]
 
 
 @pytest.mark.parametrize("window", [1, 6, 15, 16, 100])

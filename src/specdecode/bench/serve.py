@@ -472,7 +472,8 @@ def resolve_arm(spec: ArmSpec, target: Any, opts: Options) -> Arm:
         method_spec(method).check_options([key for key, _ in spec.options])
         options.update(spec.options)
     tree = method in TREE_ONLY
-    if spec.kind == "auto":
+    if spec.kind == "auto" or (from_best and spec.k is None and settings.get("k") == "auto"):
+        # a card measured with k planned by the engine: ``best`` runs what was measured
         return Arm(spec.name, method, "auto", "auto", opts.k_max, options, tree=tree, from_best=from_best)
     if spec.kind == "table":
         return Arm(

@@ -325,7 +325,7 @@ class Request:
         n = len(self.context) - self.read_upto
         if n <= ROUND_FEED:  # a drafting round's own leftovers go with the round
             return 0
-        return self.proposer.reads(self.read_upto, len(self.context))  # less a windowed draft's cut
+        return self.proposer.reads(self.context, self.read_upto)  # less a window's cut, a draft's own
 
     def catch_up(self) -> tuple[int, float]:
         """Before a round that drafts (or shadow-drafts): the proposer reads the context it has

@@ -111,9 +111,11 @@ class Proposer(Protocol):
         next ``propose`` on the same context drafts from it, with any k up to ``k``."""
         ...
 
-    def reads(self, start: int, end: int) -> int:
-        """How many of the committed context's tokens ``[start, end)`` ``catch_up`` reads: all of
-        them, but for a draft that reads a window of the prompt. The engine prices a read to come
+    def reads(self, context: list[int], start: int) -> int:
+        """How many tokens ``catch_up(context)`` would read now, where ``start`` is the first
+        committed token the engine has not seen it read: by default all of ``context[start:]``;
+        fewer for a draft that reads a window of the prompt, or that fed itself drafts the
+        target then accepted (they sit in its cache already). The engine prices a read to come
         by it. Called only where ``caps.catches_up``."""
         ...
 
@@ -161,8 +163,8 @@ class PerRequest:
     def source(self, context: list[int], k: int) -> Source:
         return SINGLE
 
-    def reads(self, start: int, end: int) -> int:
-        return end - start
+    def reads(self, context: list[int], start: int) -> int:
+        return len(context) - start
 
     def stats(self) -> dict:
         return {}

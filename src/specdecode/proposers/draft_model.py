@@ -90,12 +90,18 @@ class DraftModelProposer(PerRequest):
         """How many prompt tokens this request's draft skips (its window's cut)."""
         return self.skipped[1] - self.skipped[0]
 
-    def reads(self, start: int, end: int) -> int:
-        """Less a windowed draft's cut, and before the first read, less what the prefix store
-        would supply of the prompt now."""
-        lo, hi = self.skipped
-        n = end - start - max(0, min(end, hi) - max(start, lo))
-        if start == 0 and not self.cached and self.prefix_scope is not None:
+    def reads(self, context: list[int], start: int) -> int:
+        """The tokens of the view the cache does not hold yet (so none of a window's cut, and
+        none of the drafts it fed itself and the target accepted: after a fully accepted round
+        only the last draft and the bonus token, which the next round feeds, so 0), before the
+        first read less what the prefix store would supply of the prompt now. Counted from the
+        committed context's start alone, a round that kept k drafts looked like k + 1 tokens to
+        read, and near a request's end, spread over its last few tokens, priced drafting out."""
+        view = self._view(context)
+        n = len(view) - self._kept(view)
+        if n <= ROUND_FEED and self.cached:  # a round's own leftovers go with the round
+            return 0
+        if not self.cached and self.prefix_scope is not None:
             n -= min(self.prefix_scope.reusable(self.model, self.first_read), n)
         return n
 

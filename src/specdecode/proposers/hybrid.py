@@ -91,8 +91,8 @@ class HybridProposer(PerRequest):
     def catch_up(self, context: list[int]) -> int | None:
         return self.drafter.catch_up(context)
 
-    def reads(self, start: int, end: int) -> int:
-        return self.drafter.reads(start, end)
+    def reads(self, context: list[int], start: int) -> int:
+        return self.drafter.reads(context, start)
 
     def observe_forward(self, ids, positions, mask, hidden) -> None:
         self.drafter.observe_forward(ids, positions, mask, hidden)
