@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specdecode.bench.cards import benchmark_blocks, record
+from specdecode.bench.cards import COMPOSED_HOW, benchmark_blocks, record
 from specdecode.cli import main
 from specdecode.errors import InputError
 
@@ -95,6 +95,11 @@ def test_hybrid_gets_a_card_of_its_own_with_the_drafter_it_ran(tmp_path):
     card = json.loads((tmp_path / "drafters" / "tiny-chat" / "hybrid" / "card.json").read_text())
     assert written == [tmp_path / "drafters" / "tiny-chat" / "hybrid" / "card.json"]  # trained cards must exist first
     assert card["method"] == "hybrid" and "lookup" in card["how"] and card["benchmark"]["speedup"] == 1.35
+    card["how"] = "an older wording"  # re-recorded, the card says how the method now works
+    (tmp_path / "drafters" / "tiny-chat" / "hybrid" / "card.json").write_text(json.dumps(card))
+    record(tmp_path / "results.json", tmp_path / "drafters")
+    card = json.loads((tmp_path / "drafters" / "tiny-chat" / "hybrid" / "card.json").read_text())
+    assert card["how"] == COMPOSED_HOW["hybrid"]
 
 
 def test_record_can_leave_other_cards_alone(tmp_path, capsys):

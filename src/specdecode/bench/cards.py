@@ -141,6 +141,8 @@ def record(
         else:  # no weights shipped: the card is just the measurement
             card = {"method": method, "how": COMPOSED_HOW.get(method) or method_spec(method).description}
             card_path.parent.mkdir(parents=True, exist_ok=True)
+        if method in COMPOSED_HOW:  # a card of measurements only says how what it measured works
+            card["how"] = COMPOSED_HOW[method]
         card["benchmark"] = block
         card_path.write_text(json.dumps(card, indent=2) + "\n")
         written.append(card_path)
