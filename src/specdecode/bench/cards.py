@@ -139,10 +139,10 @@ def record(
         elif method in TRAINED and "draft" not in block["settings"]:
             continue  # a trained drafter's card comes with its weights, from training
         else:  # no weights shipped: the card is just the measurement
-            card = {"method": method, "how": COMPOSED_HOW.get(method) or method_spec(method).description}
+            card = {"method": method}
             card_path.parent.mkdir(parents=True, exist_ok=True)
-        if method in COMPOSED_HOW:  # a card of measurements only says how what it measured works
-            card["how"] = COMPOSED_HOW[method]
+        # a composed method's card says how what it measured works now; a trained one keeps its own
+        card["how"] = COMPOSED_HOW.get(method) or card.get("how") or method_spec(method).description
         card["benchmark"] = block
         card_path.write_text(json.dumps(card, indent=2) + "\n")
         written.append(card_path)

@@ -219,17 +219,19 @@ class Engine:
             return []
         rows = self._prefill_rows()
         decoding = [r for r in self.running if r.status == RUNNING and not r.finished]
-        prompt = self._scoreless(sum(row.ids.numel() for row in rows))  # in scoring rows' worth
+        prompt_rows = sum(row.ids.numel() for row in rows)
+        prompt = self._scoreless(prompt_rows)  # in scoring rows' worth
         drafted = self._plan(decoding, prompt)
         self._propose([r for r in decoding if r not in drafted])
         scoring = [r.row() for r in decoding]
+        scoring_rows = sum(row.ids.numel() for row in scoring)
         rows += scoring
         t = time.perf_counter()
         logits, hidden = self._verify(rows)
         forward_s = time.perf_counter() - t
-        n_rows = sum(row.ids.numel() for row in rows)
+        n_rows = prompt_rows + scoring_rows
         if decoding:  # the cost curve counts rows in scoring rows' worth (see _scoreless)
-            self.memory.costs.observe(round(prompt + sum(row.ids.numel() for row in scoring)), forward_s)
+            self.memory.costs.observe(round(prompt + scoring_rows), forward_s)
             self.steps.append(StepRecord(len(decoding), n_rows, tuple(r.k for r in decoding), forward_s))
         touched = self._accept(rows, logits, hidden, forward_s)
         self._retire()
