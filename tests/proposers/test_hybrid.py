@@ -196,3 +196,24 @@ def test_a_suffix_lookup_round_is_scored_and_an_ngram_one_is_not():
         draft = state.propose(prompt, 4, SamplingConfig(), None)
         assert draft.k and (draft.scores is not None) is scored
         assert draft.probs is None  # deterministic: q one-hot, as the scored path requires
+
+
+def test_a_drafter_round_offers_suffix_decodings_short_draft_as_its_fallback():
+    """A round named for the drafter (the lookup drafted fewer than min_match tokens) offers the
+    short suffix draft as a scored second source; once taken, the round drafts it. A round the
+    lookup covers, or one with no short draft, offers none."""
+    target = tiny_native(vocab=5, seed=0)
+    drafter = hybrid(target, "medusa").drafter
+    prompt = [1, 2, 3, 4, 1, 2, 3, 0, 1, 2, 3]
+    state = HybridProposer(drafter).start(prompt)
+    context = prompt + [2]  # "2" follows "1" elsewhere: suffix drafts 1 token, short of min_match 2
+    assert state.source(context, 4).name == "drafter"
+    second = state.fallback(context)
+    assert second is not None and second.name == "lookup" and second.scored
+    assert state.source(context, 4) == second  # named again, the round's source is the fallback
+    draft = state.propose(context, 4, SamplingConfig(), None)
+    assert draft.tokens.tolist() == [[3]] and draft.scores is not None and state.rounds["short"] == 1
+    covered = HybridProposer(drafter, lookup="suffix").start(prompt)
+    assert covered.source(prompt, 4).name == "lookup" and covered.fallback(prompt) is None
+    fresh = HybridProposer(drafter).start([0, 1, 2])
+    assert fresh.source([0, 1, 2], 4).name == "drafter" and fresh.fallback([0, 1, 2]) is None  # nothing repeats

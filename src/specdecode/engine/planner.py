@@ -189,7 +189,8 @@ class PlannerMemory:
     """What an engine learns about its target and proposers, apart from any request: forward
     costs by row count; how many tokens a request typically makes; for each proposer (keyed by
     the proposer object's id, which the owner of this memory keeps alive) its seconds per
-    context token read; for each of its sources (:class:`~specdecode.proposers.base.Source`)
+    context token read and the share of its requests' rounds drafted by a source that reads
+    (a hybrid's drafter, not its lookup); for each of its sources (:class:`~specdecode.proposers.base.Source`)
     its seconds per token drafted (keyed by (id, source name)); and, apart for greedy requests
     and for each sampling temperature, each source's score calibration and acceptance history
     (both keyed by (id, source name, regime)): a draft that must equal
@@ -210,6 +211,7 @@ class PlannerMemory:
         self.draft_rates: dict[tuple[int, str], float] = {}  # a source's seconds per drafted token
         self.acceptance: dict[tuple[int, str, str], AcceptanceHistory] = {}  # where a source's next request starts
         self.output_tokens: float | None = None  # tokens a finished request made (EMA), to spread reads over
+        self.reading_shares: dict[int, float] = {}  # a proposer's share of rounds that read first (EMA)
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,10 @@ class Candidate:
             return 0.0
         tokens = self.gain(i) + (1.0 if i == 0 else 0.0)
         return self.read_s_per_token * tokens if tokens else 0.0
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a step drafting ``k`` commits for this candidate, in expectation."""
+        return 1.0 + sum(self._gains[:k])
 
     def reach(self, i: int) -> float:
         return 1.0 if self.reach_by_position is None else self.reach_by_position[i]

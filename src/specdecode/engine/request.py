@@ -198,6 +198,9 @@ class Request:
         self.sources: dict[str, SourceState] = {}  # by source name
         self.draft, self.tree, self.side = Draft.empty(), None, []  # this round's candidates
         self.accepted = 0  # drafts the target accepted in the last round
+        self.rounds = 0  # decoding rounds absorbed
+        self.reading_rounds = 0  # of them, rounds named for a source that drafts after reading the context
+        self.named_reads: bool | None = None  # a fallback round: whether the source named first reads
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -261,6 +264,17 @@ class Request:
         if self.proposer is None or self.shadow is not None or self.spec.tree is not None:
             return SINGLE
         return self.proposer.source(self.context, self.clip(self.spec.k_max))
+
+    def fallback(self) -> Source | None:
+        """The proposer's second drafter for this round, for when the planner drafts nothing
+        from the one it named (None: it has none, or rounds are not planned by source); the
+        caller enters it."""
+        if self.proposer is None or self.shadow is not None or self.spec.tree is not None:
+            return None
+        source = self.proposer.fallback(self.context)
+        if source is not None:  # the round still counts as the named source's (``reading_share``)
+            self.named_reads = self._reads_context
+        return source
 
     def enter(self, source: Source) -> bool:
         """This round drafts from ``source``: its policy and tallies become current. True when
@@ -326,6 +340,12 @@ class Request:
         if n <= ROUND_FEED:  # a drafting round's own leftovers go with the round
             return 0
         return self.proposer.reads(self.context, self.read_upto)  # less a window's cut, a draft's own
+
+    def reading_share(self, prior: float, weight: float = 8.0) -> float:
+        """The share of this request's rounds named for a source that must read the context
+        before it drafts (a hybrid's drafter rounds, fallen back to its lookup or not; not its
+        lookup's): ``prior`` counted as ``weight`` rounds, then what its own rounds show."""
+        return (self.reading_rounds + prior * weight) / (self.rounds + weight)
 
     def catch_up(self) -> tuple[int, float]:
         """Before a round that drafts (or shadow-drafts): the proposer reads the context it has
@@ -420,6 +440,9 @@ class Request:
         m.verify_s += verify_s + time.perf_counter() - t
         m.record_round(drafted, accepted, len(committed))
         self.accepted = accepted
+        self.rounds += 1
+        self.reading_rounds += self._reads_context if self.named_reads is None else self.named_reads
+        self.named_reads = None
         if self.proposer is not None and not self.spec.shadow:
             m.k_history.append(drafted)
             self.policy.update(drafted, accepted, self.draft_share, verify_s, planned=self.k)

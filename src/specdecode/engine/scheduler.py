@@ -326,12 +326,35 @@ class Engine:
             accept = r.policy.accept_when_drafted(optimistic=stale)
             k_max, reach = r.clip(r.policy.k_max), r.policy.reach_by_position()
             candidates.append(Candidate(accept, self._draft_cost(r), k_max, reach, self._read_cost(r, unpriced)))
-        for r, k in zip(planned, plan(candidates, other_rows, other_tokens, self.memory.costs, prefill_rows)):
+        ks = plan(candidates, other_rows, other_tokens, self.memory.costs, prefill_rows)
+        self._settle(planned, ks, drafted)
+        # A request kept off its named drafter may draft from a second one (a hybrid's short
+        # lookup), planned around the rows and tokens the others now bring.
+        second = [r for r, k in zip(planned, ks) if k == 0 and r not in drafted and self._fall_back(r)]
+        if second:
+            rest = [(c, k) for r, c, k in zip(planned, candidates, ks) if r not in second]
+            other_rows += sum(k + 1 for _, k in rest)
+            other_tokens += sum(c.expected_tokens(k) for c, k in rest)
+            candidates = [self._draft_first(r) for r in second]
+            self._settle(second, plan(candidates, other_rows, other_tokens, self.memory.costs, prefill_rows), second)
+            drafted.update(second)
+        return drafted
+
+    def _settle(self, planned: list[Request], ks: list[int], drafted: set[Request]) -> None:
+        for r, k in zip(planned, ks):
             r.k = k
             r.current.off_steps = r.current.off_steps + 1 if k == 0 else 0
             if r in drafted:
                 r.set_draft(r.draft)  # verify only the prefix the planner chose
-        return drafted
+
+    def _fall_back(self, r: Request) -> bool:
+        """Enter the request's second drafter for this round, if its proposer names one."""
+        source = r.fallback()
+        if source is None:
+            return False
+        if r.enter(source):
+            self._start_from_history(r)
+        return True
 
     def _draft_first(self, r: Request) -> Candidate:
         """Draft as deep as the request may go, then price each draft by its score as calibrated
@@ -354,8 +377,10 @@ class Engine:
         """Seconds per committed token of the context read a request pays before it drafts again
         (its draft model's prompt): seconds per token read, measured on earlier reads by the same
         proposer, times the tokens unread, spread over the tokens the request is expected still
-        to make. Before any read was measured, one request a step may read for free (so the
-        price gets measured) and the others may not."""
+        to make in rounds of a source that reads (all of a draft model's; a hybrid's drafter
+        rounds, not its lookup's, which the read does not speed up). Before any read was
+        measured, one request a step may read for free (so the price gets measured) and the
+        others may not."""
         unread = r.unread()
         if not unread:
             return 0.0
@@ -366,7 +391,8 @@ class Engine:
                 return float("inf")
             unpriced.add(key)
             return 0.0
-        return rate * unread / self._remaining(r)
+        share = r.reading_share(self.memory.reading_shares.get(key, 1.0))
+        return rate * unread / (self._remaining(r) * share)
 
     def _remaining(self, r: Request) -> float:
         """Tokens the request is still expected to make: what its budget leaves, or fewer where
@@ -400,10 +426,12 @@ class Engine:
             policy.start_from(history.estimates)
 
     def _remember(self, r: Request) -> None:
-        """Fold a leaving request's acceptance estimates and draft speed, source by source, into
-        its proposer's."""
+        """Fold a leaving request's acceptance estimates and draft speed, source by source, and
+        its share of rounds that read first, into its proposer's."""
         if not r.spec.batch_planned:
             return
+        if r.rounds and r.spec.proposer.caps.catches_up:
+            _fold(self.memory.reading_shares, id(r.spec.proposer), r.reading_rounds / r.rounds)
         for name, state in r.sources.items():
             policy: PlannedPolicy = state.policy
             history = self.memory.acceptance.setdefault(r.history_key(name), AcceptanceHistory())
@@ -524,7 +552,7 @@ def _blend(old: float | None, new: float) -> float:
 
 
 def _fold(rates: dict[Any, float], key: Any, rate: float) -> None:
-    """A proposer's running rate (seconds per token), by :func:`_blend`."""
+    """A proposer's running figure (seconds per token, a share of rounds), by :func:`_blend`."""
     rates[key] = _blend(rates.get(key), rate)
 
 

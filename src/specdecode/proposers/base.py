@@ -111,6 +111,13 @@ class Proposer(Protocol):
         next ``propose`` on the same context drafts from it, with any k up to ``k``."""
         ...
 
+    def fallback(self, context: list[int]) -> Source | None:
+        """A second drafter for the round ``source`` named, for when the engine plans no drafts
+        from the first (a hybrid's short lookup while its draft model is kept off), else None.
+        Like ``source``, a function of the committed context alone; once it is returned, the
+        next ``propose`` on the same context drafts from it."""
+        ...
+
     def reads(self, context: list[int], start: int) -> int:
         """How many tokens ``catch_up(context)`` would read now, where ``start`` is the first
         committed token the engine has not seen it read: by default all of ``context[start:]``;
@@ -162,6 +169,9 @@ class PerRequest:
 
     def source(self, context: list[int], k: int) -> Source:
         return SINGLE
+
+    def fallback(self, context: list[int]) -> Source | None:
+        return None
 
     def reads(self, context: list[int], start: int) -> int:
         return len(context) - start
