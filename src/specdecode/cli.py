@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="an OpenAI-compatible server on the batched engine (see --help)", add_help=False)
     sub.add_parser(
         "record-drafters",
-        help="write a bench run's drafter speedups into the shipped cards (see --help)",
+        help="write bench runs' drafter speedups into the shipped cards (see --help)",
         add_help=False,
     )
     return parser

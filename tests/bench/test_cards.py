@@ -130,3 +130,38 @@ def test_a_named_draft_model_and_suffix_get_cards_of_measurements_only(tmp_path)
     assert card["method"] == "suffix" and "suffix" in card["how"] and card["benchmark"]["speedup"] == 1.6
     run["config"]["draft_name"] = "/home/me/my-draft"
     assert "draft" not in benchmark_blocks(run)
+
+
+def test_several_runs_record_each_methods_cell_with_the_best_geometric_mean(tmp_path, capsys):
+    """Two workloads on one target: suffix wins code by a hair and loses chat by far, so the hybrid
+    is recorded as the better pick (geometric means), each run's own figure kept beside it."""
+
+    def run(workload: str, category: str, figures: dict[tuple[str, object], float]) -> dict:
+        rows = [row("none", 0, "overall", 1.0, 1.0), row("ngram", 4, "overall", 1.1, 1.5)]
+        for (method, k), speedup in figures.items():
+            rows += [row(method, k, "overall", speedup, 2.0), row(method, k, category, speedup, 2.0)]
+        out = results() | {"aggregates": rows, "command": ["specdecode", "bench", "--workload", workload]}
+        out["config"] = out["config"] | {"workload": workload}
+        return out
+
+    code = run("humaneval", "humaneval", {("suffix", "auto"): 1.71, ("hybrid", "auto"): 1.68, ("hybrid", 4): 1.72})
+    chat = run("spec_bench.jsonl", "qa", {("suffix", "auto"): 1.12, ("hybrid", "auto"): 1.26, ("hybrid", 4): 1.05})
+    blocks = benchmark_blocks(code, chat)
+    hybrid, suffix = blocks["hybrid"], blocks["suffix"]
+    assert hybrid["settings"]["k"] == "auto"  # k=4 wins code alone, auto wins both
+    assert hybrid["speedup"] == pytest.approx((1.68 * 1.26) ** 0.5, abs=1e-3)
+    assert hybrid["speedup"] > suffix["speedup"] == pytest.approx((1.71 * 1.12) ** 0.5, abs=1e-3)
+    assert hybrid["ngram_speedup"] == pytest.approx(1.1)
+    assert hybrid["per_category_speedup"] == {"humaneval": 1.68, "qa": 1.26}
+    assert [r["speedup"] for r in hybrid["runs"]] == [1.68, 1.26] and "humaneval" in hybrid["runs"][0]["command"]
+    assert benchmark_blocks(code)["hybrid"]["settings"]["k"] == 4 and "runs" not in benchmark_blocks(code)["hybrid"]
+    for i, r in enumerate((code, chat)):
+        (tmp_path / f"r{i}").mkdir()
+        (tmp_path / f"r{i}" / "results.json").write_text(json.dumps(r))
+    args = ["record-drafters", str(tmp_path / "r0"), str(tmp_path / "r1"), "--drafters", str(tmp_path / "d")]
+    assert main(args) == 0 and capsys.readouterr().out.count("updated") == 2
+    card = json.loads((tmp_path / "d" / "tiny-chat" / "hybrid" / "card.json").read_text())
+    assert card["benchmark"]["speedup"] == hybrid["speedup"]
+    other = chat | {"config": chat["config"] | {"target": "/models/Other"}}
+    with pytest.raises(InputError, match="different targets"):
+        benchmark_blocks(code, other)

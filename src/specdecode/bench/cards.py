@@ -1,7 +1,8 @@
-"""``specdecode record-drafters OUT``: write a bench run's measurements into the shipped cards.
+"""``specdecode record-drafters OUT [OUT ...]``: write bench runs' measurements into the shipped cards.
 
 Each measured method's card gets a ``benchmark`` block from one side-by-side ``specdecode bench``
-run: its best greedy chain cell overall (the settings it ran with: k, the confidence stop for
+run, or from several on the same target (different workloads: the cell with the best geometric
+mean over them, each run's own figure kept under ``runs``): its best greedy chain cell overall (the settings it ran with: k, the confidence stop for
 ``+conf`` cells, the draft model by catalog name), that cell's per-category figures, the best
 n-gram speedup of the same run, and the best tree cell. ``method="auto"`` reads these blocks
 (:func:`specdecode.api.best_method`) and runs the recorded settings, so what it picks is what was
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -32,29 +34,79 @@ COMPOSED_HOW = {
 }
 
 
-def benchmark_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The ``benchmark`` block of every method measured greedily in ``results``; a method that ran
-    with a draft model given by path gets none (``auto`` could not load it elsewhere)."""
+def benchmark_blocks(*runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``benchmark`` block of every method measured greedily in each of ``runs`` (bench
+    results on one target, typically different workloads): its chain cell with the best
+    geometric-mean speedup over the runs, so that what ``auto`` picks wins across them and a
+    near tie on one workload does not decide it. A method that ran with a draft model given by
+    path gets none (``auto`` could not load it elsewhere)."""
+    if not runs:
+        raise InputError("no bench results to record")
+    targets = {run["config"]["target"] for run in runs}
+    if len(targets) > 1:
+        raise InputError(f"the runs measured different targets ({', '.join(sorted(targets))}): record one at a time")
+    cells = [_cell_blocks(run) for run in runs]  # per run: method -> cell -> block
+    blocks = {}
+    for method in MEASURED:
+        names = set.intersection(*(set(c.get(method, {})) for c in cells))
+        if names:
+            best = max(sorted(names), key=lambda n: _geomean([c[method][n]["speedup"] for c in cells]))
+            blocks[method] = _merged([c[method][best] for c in cells])
+    return blocks
+
+
+def _cell_blocks(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """For each method measured greedily in one run, a block for each of its default chain cells."""
     rows = [a for a in results["aggregates"] if a["temperature"] == 0]
     overall = {a["cell"]: a for a in rows if a["category"] == "overall"}
     ngram = max((a["speedup"] for a in overall.values() if a["method"] == "ngram"), default=None)
     config = results["config"]
-    blocks = {}
+    found: dict[str, dict[str, dict[str, Any]]] = {}
     for method in MEASURED:
-        chains = [a for a in overall.values() if _default_chain(a["method"]) == method]
         drafted = _ran_a_draft_model(method, config)
-        if not chains or (drafted and config.get("draft_name") not in CATALOG):
+        if drafted and config.get("draft_name") not in CATALOG:
             continue
-        best = max(chains, key=lambda a: a["speedup"])
-        settings: dict[str, Any] = {"k": best["k"]}
-        if best["method"].endswith(CONF_SUFFIX):
-            settings |= {"policy": "confidence", "confidence": config["confidence"]}
-        if method in COMPOSED:  # its drafter, and the lookup a default cell runs
-            settings |= {"drafter": config.get("hybrid_drafter"), "lookup": DEFAULT_LOOKUP}
-        if drafted:
-            settings |= {"draft": config["draft_name"], "draft_dtype": config["draft_dtype"]}
-        blocks[method] = _block(results, best, rows, overall, settings, ngram)
-    return blocks
+        for cell in (a for a in overall.values() if _default_chain(a["method"]) == method):
+            settings: dict[str, Any] = {"k": cell["k"]}
+            if cell["method"].endswith(CONF_SUFFIX):
+                settings |= {"policy": "confidence", "confidence": config["confidence"]}
+            if method in COMPOSED:  # its drafter, and the lookup a default cell runs
+                settings |= {"drafter": config.get("hybrid_drafter"), "lookup": DEFAULT_LOOKUP}
+            if drafted:
+                settings |= {"draft": config["draft_name"], "draft_dtype": config["draft_dtype"]}
+            found.setdefault(method, {})[cell["cell"]] = _block(results, cell, rows, overall, settings, ngram)
+    return found
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values))
+
+
+def _merged(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One block for a cell measured in several runs: geometric means, every run's categories,
+    and each run's own speedup, workload and command under ``runs``."""
+    if len(blocks) == 1:
+        return blocks[0]
+    merged = dict(blocks[0])
+    for key in ("speedup", "mean_accepted_length"):
+        merged[key] = round(_geomean([b[key] for b in blocks]), 3)
+    ngrams = [b["ngram_speedup"] for b in blocks]
+    merged["ngram_speedup"] = None if None in ngrams else round(_geomean(ngrams), 3)
+    for key in ("per_category_speedup", "per_category_mean_accepted_length"):
+        merged[key] = {cat: v for b in blocks for cat, v in b[key].items()}
+    merged["decoding"] = blocks[0]["decoding"] + "; the geometric mean over the runs below"
+    merged["workload"] = " + ".join(b["workload"] for b in blocks)
+    merged["command"] = " ; ".join(b["command"] for b in blocks)
+    merged["runs"] = [{key: b[key] for key in ("workload", "speedup", "command")} for b in blocks]
+    trees = [b.get("tree") for b in blocks]
+    merged.pop("tree", None)
+    if all(trees):
+        merged["tree"] = {
+            "speedup": round(_geomean([t["speedup"] for t in trees]), 3),
+            "mean_accepted_length": round(_geomean([t["mean_accepted_length"] for t in trees]), 3),
+            "k": trees[0]["k"],
+        }
+    return merged
 
 
 def _default_chain(name: str) -> str | None:
@@ -113,24 +165,22 @@ def _block(
 
 
 def record(
-    results_path: str | Path, drafters_dir: str | Path | None = None, methods: tuple[str, ...] | None = None
+    results: str | Path | list[str | Path],
+    drafters_dir: str | Path | None = None,
+    methods: tuple[str, ...] | None = None,
 ) -> list[Path]:
-    """Update the cards of the drafters shipped for the run's target (only ``methods`` when given,
-    so a run that measured some drafters leaves the others' blocks alone); the cards written."""
+    """Update the cards of the drafters shipped for the target of ``results`` (one bench run's
+    folder or results.json, or several runs on that target: :func:`benchmark_blocks`), only
+    ``methods`` when given, so a run that measured some drafters leaves the others' blocks
+    alone; the cards written."""
     from specdecode.networks import storage
 
-    path = Path(results_path)
-    path = path / "results.json" if path.is_dir() else path
-    if not path.exists():
-        raise InputError(f"no results.json at {results_path}")
-    try:
-        results = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: malformed JSON ({exc.msg}, line {exc.lineno})") from None
+    runs = [_load(p) for p in (results if isinstance(results, list) else [results])]
+    blocks = benchmark_blocks(*runs)
     root = Path(drafters_dir) if drafters_dir else storage.DRAFTERS_DIR
-    folder = root / storage.drafter_name(results["config"]["target"])
+    folder = root / storage.drafter_name(runs[0]["config"]["target"])
     written = []
-    for method, block in benchmark_blocks(results).items():
+    for method, block in blocks.items():
         if methods is not None and method not in methods:
             continue
         card_path = folder / method / "card.json"
@@ -149,12 +199,28 @@ def record(
     return written
 
 
+def _load(results_path: str | Path) -> dict[str, Any]:
+    path = Path(results_path)
+    path = path / "results.json" if path.is_dir() else path
+    if not path.exists():
+        raise InputError(f"no results.json at {results_path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: malformed JSON ({exc.msg}, line {exc.lineno})") from None
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="specdecode record-drafters",
         description="Record a bench run's drafter speedups in the shipped drafters' cards.",
     )
-    p.add_argument("results", help="a bench output folder or its results.json")
+    p.add_argument(
+        "results",
+        nargs="+",
+        help="a bench output folder or its results.json; several runs on one target (e.g. HumanEval and "
+        "Spec-Bench) record each method's cell with the best geometric-mean speedup over them",
+    )
     p.add_argument("--drafters", default=None, help="drafters folder (default: the package's)")
     p.add_argument(
         "--methods",
