@@ -86,6 +86,19 @@ def test_auto_runs_the_settings_the_card_was_measured_with(drafters, monkeypatch
     assert seen == {"method": "eagle", "k": 4, "policy": "fixed"}
 
 
+def test_a_cards_settings_are_read_one_way_for_auto_and_for_bench_serve():
+    """``measured_run``: k, the policy and the proposer options a card's settings run with
+    (bench-serve's ``best`` arm and ``method="auto"`` both read cards through it)."""
+    from specdecode.api import MeasuredRun, measured_run
+
+    conf = {"k": 6, "policy": "confidence", "confidence": 0.3}
+    assert measured_run(conf) == MeasuredRun(6, "confidence", {"confidence_threshold": 0.3})
+    hybrid = measured_run({"k": "auto", "drafter": "draft", "lookup": "suffix", "draft": "qwen2.5-coder-0.5b"})
+    assert hybrid == MeasuredRun("auto", None, {"drafter": "draft", "lookup": "suffix"}) and hybrid.planned
+    assert measured_run({}, default_k=3) == MeasuredRun(3, None, {}) and not measured_run({}).planned
+    assert measured_run({"k": 8, "policy": "auto"}).planned
+
+
 def test_auto_runs_the_hybrid_with_the_drafter_and_lookup_it_was_measured_with(drafters, monkeypatch):
     from specdecode import api
 

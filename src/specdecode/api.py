@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from specdecode.core.sampling import SamplingConfig
@@ -109,9 +110,30 @@ def benchmarked_settings(target: LoadedModel, method: str) -> dict[str, Any]:
     return _kept((card.get("benchmark") or {}).get("settings") or {})
 
 
-def measured_options(settings: dict[str, Any]) -> dict[str, Any]:
-    """The proposer options among a card's settings (the hybrid's drafter and lookup)."""
-    return {key: settings[key] for key in ("drafter", "lookup") if key in settings}
+@dataclass(frozen=True)
+class MeasuredRun:
+    """How a card's settings run: ``k`` (an int, or "auto": planned by the engine), the k policy
+    the card names (None: fixed k), and the proposer options it was measured with (the hybrid's
+    drafter and lookup; the confidence stop's threshold)."""
+
+    k: int | str
+    policy: str | None
+    options: dict[str, Any]
+
+    @property
+    def planned(self) -> bool:
+        return self.k == "auto" or self.policy == "auto"
+
+
+def measured_run(settings: dict[str, Any], default_k: int = 4) -> MeasuredRun:
+    """What a card's ``settings`` (:func:`benchmarked_settings`) run with; ``default_k`` where it
+    records no k. The one reading of a card's settings, for ``auto`` and for bench-serve's
+    ``best`` arm alike."""
+    options = {key: settings[key] for key in ("drafter", "lookup") if key in settings}
+    policy = settings.get("policy")
+    if policy == "confidence":
+        options["confidence_threshold"] = settings.get("confidence", 0.5)
+    return MeasuredRun(settings.get("k", default_k), policy, options)
 
 
 def _kept(settings: dict[str, Any]) -> dict[str, Any]:
@@ -181,21 +203,23 @@ def resolve_speculation(
     if draft is None and (card_draft := _card_draft(measured, target)):  # what the card measured with
         draft, dtype = card_draft
         proposer_options.setdefault("dtype", dtype)
-    k = measured.get("k", 4) if k is None else k  # int, or "auto"
-    policy = policy or measured.get("policy")
-    confidence = measured.get("confidence", 0.5) if confidence is None else confidence
-    for key, value in measured_options(measured).items():
-        proposer_options.setdefault(key, value)
+    run = measured_run(measured)
+    k = run.k if k is None else k  # int, or "auto"
+    policy = policy or run.policy
     if k == "auto":
         policy, k = "auto", k_max
     policy = policy or "fixed"
+    for key, value in run.options.items():
+        if key != "confidence_threshold" or policy == "confidence":
+            proposer_options.setdefault(key, value)
     if policy == "confidence":
         if method not in CONFIDENCE_METHODS:
             raise ConfigError(
                 f"policy 'confidence' needs a drafter with its own probabilities "
                 f"(method {', '.join(CONFIDENCE_METHODS)}), not {method!r}"
             )
-        proposer_options["confidence_threshold"] = confidence
+        if confidence is not None or "confidence_threshold" not in proposer_options:
+            proposer_options["confidence_threshold"] = 0.5 if confidence is None else confidence
     if factory is not None:
         proposer = factory(method, proposer_options)
     else:

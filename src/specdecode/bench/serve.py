@@ -456,23 +456,20 @@ class Arm:
 
 def resolve_arm(spec: ArmSpec, target: Any, opts: Options) -> Arm:
     """The arm for ``spec`` on ``target``: ``best`` is :func:`best_method` with its card's settings."""
-    from specdecode.api import benchmarked_settings, best_method, measured_options
+    from specdecode.api import MeasuredRun, benchmarked_settings, best_method, measured_run
     from specdecode.methods import TREE_ONLY
 
     if spec.base == "none":
         return Arm(spec.name, "none", "fixed", "none", 0)
     from_best = spec.base == "best"
     method = best_method(target) if from_best else spec.base
-    settings = benchmarked_settings(target, method) if from_best else {}
-    options: dict[str, Any] = {}
-    if settings.get("policy") == "confidence":
-        options["confidence_threshold"] = settings.get("confidence", 0.5)
-    options |= measured_options(settings)
+    run = measured_run(benchmarked_settings(target, method), opts.k) if from_best else MeasuredRun(opts.k, None, {})
+    options = dict(run.options)
     if spec.options:  # written after the name; checked here too for best, now that it has a method
         method_spec(method).check_options([key for key, _ in spec.options])
         options.update(spec.options)
     tree = method in TREE_ONLY
-    if spec.kind == "auto" or (from_best and spec.k is None and settings.get("k") == "auto"):
+    if spec.kind == "auto" or (from_best and spec.k is None and run.planned):
         # a card measured with k planned by the engine: ``best`` runs what was measured
         return Arm(spec.name, method, "auto", "auto", opts.k_max, options, tree=tree, from_best=from_best)
     if spec.kind == "table":
@@ -489,12 +486,8 @@ def resolve_arm(spec: ArmSpec, target: Any, opts: Options) -> Arm:
         )
     if spec.k is not None:
         k, policy = spec.k, "confidence" if "confidence_threshold" in options else "fixed"
-    elif from_best:
-        k, policy = int(settings.get("k", opts.k)), str(settings.get("policy", "fixed"))
-        if policy == "auto":
-            k = opts.k_max
     else:
-        k, policy = opts.k, "fixed"
+        k, policy = int(run.k), run.policy or "fixed"
     return Arm(spec.name, method, "fixed", policy, k, options, tree=tree, from_best=from_best)
 
 
