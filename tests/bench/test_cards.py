@@ -155,6 +155,8 @@ def test_several_runs_record_each_methods_cell_with_the_best_geometric_mean(tmp_
     assert hybrid["per_category_speedup"] == {"humaneval": 1.68, "qa": 1.26}
     assert [r["speedup"] for r in hybrid["runs"]] == [1.68, 1.26] and "humaneval" in hybrid["runs"][0]["command"]
     assert benchmark_blocks(code)["hybrid"]["settings"]["k"] == 4 and "runs" not in benchmark_blocks(code)["hybrid"]
+    assert benchmark_blocks(code, k="auto")["hybrid"]["speedup"] == 1.68  # only the cells at k = auto
+    assert "hybrid" not in benchmark_blocks(code, k="8")
     for i, r in enumerate((code, chat)):
         (tmp_path / f"r{i}").mkdir()
         (tmp_path / f"r{i}" / "results.json").write_text(json.dumps(r))

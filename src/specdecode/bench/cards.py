@@ -34,18 +34,20 @@ COMPOSED_HOW = {
 }
 
 
-def benchmark_blocks(*runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def benchmark_blocks(*runs: dict[str, Any], k: str | None = None) -> dict[str, dict[str, Any]]:
     """The ``benchmark`` block of every method measured greedily in each of ``runs`` (bench
     results on one target, typically different workloads): its chain cell with the best
     geometric-mean speedup over the runs, so that what ``auto`` picks wins across them and a
     near tie on one workload does not decide it. A method that ran with a draft model given by
-    path gets none (``auto`` could not load it elsewhere)."""
+    path gets none (``auto`` could not load it elsewhere). ``k`` ("auto", or a number): only the
+    cells measured at that k (a planned k adapts to a server's load; a fixed k measured on one
+    request at a time does not)."""
     if not runs:
         raise InputError("no bench results to record")
     targets = {run["config"]["target"] for run in runs}
     if len(targets) > 1:
         raise InputError(f"the runs measured different targets ({', '.join(sorted(targets))}): record one at a time")
-    cells = [_cell_blocks(run) for run in runs]  # per run: method -> cell -> block
+    cells = [_cell_blocks(run, k) for run in runs]  # per run: method -> cell -> block
     blocks = {}
     for method in MEASURED:
         names = set.intersection(*(set(c.get(method, {})) for c in cells))
@@ -55,8 +57,9 @@ def benchmark_blocks(*runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return blocks
 
 
-def _cell_blocks(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
-    """For each method measured greedily in one run, a block for each of its default chain cells."""
+def _cell_blocks(results: dict[str, Any], k: str | None) -> dict[str, dict[str, dict[str, Any]]]:
+    """For each method measured greedily in one run, a block for each of its default chain cells
+    (at ``k`` only, when given)."""
     rows = [a for a in results["aggregates"] if a["temperature"] == 0]
     overall = {a["cell"]: a for a in rows if a["category"] == "overall"}
     ngram = max((a["speedup"] for a in overall.values() if a["method"] == "ngram"), default=None)
@@ -67,6 +70,8 @@ def _cell_blocks(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]
         if drafted and config.get("draft_name") not in CATALOG:
             continue
         for cell in (a for a in overall.values() if _default_chain(a["method"]) == method):
+            if k is not None and str(cell["k"]) != k:
+                continue
             settings: dict[str, Any] = {"k": cell["k"]}
             if cell["method"].endswith(CONF_SUFFIX):
                 settings |= {"policy": "confidence", "confidence": config["confidence"]}
@@ -168,15 +173,16 @@ def record(
     results: str | Path | list[str | Path],
     drafters_dir: str | Path | None = None,
     methods: tuple[str, ...] | None = None,
+    k: str | None = None,
 ) -> list[Path]:
     """Update the cards of the drafters shipped for the target of ``results`` (one bench run's
     folder or results.json, or several runs on that target: :func:`benchmark_blocks`), only
     ``methods`` when given, so a run that measured some drafters leaves the others' blocks
-    alone; the cards written."""
+    alone, and only cells at ``k`` when given; the cards written."""
     from specdecode.networks import storage
 
     runs = [_load(p) for p in (results if isinstance(results, list) else [results])]
-    blocks = benchmark_blocks(*runs)
+    blocks = benchmark_blocks(*runs, k=k)
     root = Path(drafters_dir) if drafters_dir else storage.DRAFTERS_DIR
     folder = root / storage.drafter_name(runs[0]["config"]["target"])
     written = []
@@ -227,11 +233,12 @@ def main(argv: list[str]) -> int:
         default=None,
         help=f"comma list of the cards to update (default: every one the run measured; of {', '.join(MEASURED)})",
     )
+    p.add_argument("--k", default=None, help="record only cells measured at this k ('auto', or a number)")
     args = p.parse_args(argv)
     methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else None
     unknown = set(methods or ()) - set(MEASURED)
     if unknown:
         raise InputError(f"--methods: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MEASURED)}")
-    for card in record(args.results, args.drafters, methods):
+    for card in record(args.results, args.drafters, methods, args.k):
         print(f"updated {card}")
     return 0
