@@ -189,8 +189,8 @@ class PlannerMemory:
     """What an engine learns about its target and proposers, apart from any request: forward
     costs by row count; how many tokens a request typically makes; for each proposer (keyed by
     the proposer object's id, which the owner of this memory keeps alive) its seconds per
-    context token read and the share of its requests' rounds drafted by a source that reads
-    (a hybrid's drafter, not its lookup); for each of its sources (:class:`~specdecode.proposers.base.Source`)
+    context token read and the share of its requests' rounds in which a source that reads drafts
+    once it has read (a draft model at k > 0; not a hybrid's lookup); for each of its sources (:class:`~specdecode.proposers.base.Source`)
     its seconds per token drafted (keyed by (id, source name)); and, apart for greedy requests
     and for each sampling temperature, each source's score calibration and acceptance history
     (both keyed by (id, source name, regime)): a draft that must equal
@@ -211,7 +211,7 @@ class PlannerMemory:
         self.draft_rates: dict[tuple[int, str], float] = {}  # a source's seconds per drafted token
         self.acceptance: dict[tuple[int, str, str], AcceptanceHistory] = {}  # where a source's next request starts
         self.output_tokens: float | None = None  # tokens a finished request made (EMA), to spread reads over
-        self.reading_shares: dict[int, float] = {}  # a proposer's share of rounds that read first (EMA)
+        self.drafting_shares: dict[int, float] = {}  # a proposer's share of rounds it drafts in after reading (EMA)
 
 
 @dataclass(frozen=True)

@@ -199,8 +199,8 @@ class Request:
         self.draft, self.tree, self.side = Draft.empty(), None, []  # this round's candidates
         self.accepted = 0  # drafts the target accepted in the last round
         self.rounds = 0  # decoding rounds absorbed
-        self.reading_rounds = 0  # of them, rounds named for a source that drafts after reading the context
-        self.named_reads: bool | None = None  # a fallback round: whether the source named first reads
+        self.read_at: int | None = None  # rounds absorbed when the proposer first read the context
+        self.drafting_rounds = 0  # rounds since then in which a source that reads drafted
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -271,10 +271,7 @@ class Request:
         caller enters it."""
         if self.proposer is None or self.shadow is not None or self.spec.tree is not None:
             return None
-        source = self.proposer.fallback(self.context)
-        if source is not None:  # the round still counts as the named source's (``reading_share``)
-            self.named_reads = self._reads_context
-        return source
+        return self.proposer.fallback(self.context)
 
     def enter(self, source: Source) -> bool:
         """This round drafts from ``source``: its policy and tallies become current. True when
@@ -341,11 +338,14 @@ class Request:
             return 0
         return self.proposer.reads(self.context, self.read_upto)  # less a window's cut, a draft's own
 
-    def reading_share(self, prior: float, weight: float = 8.0) -> float:
-        """The share of this request's rounds named for a source that must read the context
-        before it drafts (a hybrid's drafter rounds, fallen back to its lookup or not; not its
-        lookup's): ``prior`` counted as ``weight`` rounds, then what its own rounds show."""
-        return (self.reading_rounds + prior * weight) / (self.rounds + weight)
+    def drafting_share(self, prior: float, weight: float = 8.0) -> float:
+        """The share of this request's rounds in which a source that reads the context drafts
+        (a draft model's rounds at k > 0; not a hybrid's lookup rounds, nor rounds the planner
+        keeps at k = 0): ``prior`` until the proposer has read, then ``prior`` counted as
+        ``weight`` rounds beside the rounds since its first read (before that it cannot draft)."""
+        if self.read_at is None:
+            return prior
+        return (self.drafting_rounds + prior * weight) / (self.rounds - self.read_at + weight)
 
     def catch_up(self) -> tuple[int, float]:
         """Before a round that drafts (or shadow-drafts): the proposer reads the context it has
@@ -361,6 +361,7 @@ class Request:
         n = self.unread() if read is None else read
         self.metrics.prefill_s += seconds
         self.read_upto = len(self.context)
+        self.read_at = self.rounds if self.read_at is None else self.read_at
         return n, seconds
 
     @property
@@ -441,8 +442,8 @@ class Request:
         m.record_round(drafted, accepted, len(committed))
         self.accepted = accepted
         self.rounds += 1
-        self.reading_rounds += self._reads_context if self.named_reads is None else self.named_reads
-        self.named_reads = None
+        if self.read_at is not None:
+            self.drafting_rounds += drafted > 0 and self._reads_context
         if self.proposer is not None and not self.spec.shadow:
             m.k_history.append(drafted)
             self.policy.update(drafted, accepted, self.draft_share, verify_s, planned=self.k)

@@ -38,6 +38,10 @@ from specdecode.errors import ConfigError, InputError, QueueFullError
 from specdecode.models.base import CausalLM
 from specdecode.models.prefix_cache import PrefixCache, PrefixScope, cold_paths
 
+# The least share of its rounds a drafter is taken to draft in, once it has read: a read spread
+# over no rounds at all would cost infinitely much, and one request's few rounds are no proof.
+MIN_SHARE = 0.05
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -377,8 +381,9 @@ class Engine:
         """Seconds per committed token of the context read a request pays before it drafts again
         (its draft model's prompt): seconds per token read, measured on earlier reads by the same
         proposer, times the tokens unread, spread over the tokens the request is expected still
-        to make in rounds of a source that reads (all of a draft model's; a hybrid's drafter
-        rounds, not its lookup's, which the read does not speed up). Before any read was
+        to make in rounds where a source that reads drafts (a hybrid's drafter rounds at k > 0,
+        not its lookup's, which the read does not speed up, nor rounds the planner keeps at
+        k = 0, as it does most of them in a busy batch). Before any read was
         measured, one request a step may read for free (so the price gets measured) and the
         others may not."""
         unread = r.unread()
@@ -391,7 +396,7 @@ class Engine:
                 return float("inf")
             unpriced.add(key)
             return 0.0
-        share = r.reading_share(self.memory.reading_shares.get(key, 1.0))
+        share = max(r.drafting_share(self.memory.drafting_shares.get(key, 1.0)), MIN_SHARE)
         return rate * unread / (self._remaining(r) * share)
 
     def _remaining(self, r: Request) -> float:
@@ -425,13 +430,24 @@ class Engine:
             policy: PlannedPolicy = r.policy  # batch_planned: the policy is a PlannedPolicy
             policy.start_from(history.estimates)
 
+    def _learn_drafting_share(self, r: Request) -> None:
+        """Fold the share of rounds a leaving request drafted in after it read into its proposer's.
+        One that never read tells nothing of it: the figure drifts back toward drafting every
+        round, so a busy spell, when requests draft little and reads look dear, does not keep a
+        quiet engine from reading for good."""
+        shares, key = self.memory.drafting_shares, id(r.spec.proposer)
+        if r.read_at is not None and r.rounds > r.read_at:
+            _fold(shares, key, r.drafting_rounds / (r.rounds - r.read_at))
+        elif key in shares:
+            shares[key] += 0.1 * (1.0 - shares[key])
+
     def _remember(self, r: Request) -> None:
         """Fold a leaving request's acceptance estimates and draft speed, source by source, and
         its share of rounds that read first, into its proposer's."""
         if not r.spec.batch_planned:
             return
-        if r.rounds and r.spec.proposer.caps.catches_up:
-            _fold(self.memory.reading_shares, id(r.spec.proposer), r.reading_rounds / r.rounds)
+        if r.spec.proposer.caps.catches_up:
+            self._learn_drafting_share(r)
         for name, state in r.sources.items():
             policy: PlannedPolicy = state.policy
             history = self.memory.acceptance.setdefault(r.history_key(name), AcceptanceHistory())
