@@ -698,9 +698,13 @@ def test_a_drafters_read_is_spread_over_the_rounds_it_drafts_in():
     unread, remaining = fresh.unread(), engine._remaining(fresh)
     assert fresh.read_at is None and unread > 0
     assert engine._read_cost(fresh, set()) == pytest.approx(0.001 * unread / (remaining * 0.25))
-    fresh.rounds = 8  # rounds before any read tell nothing: the drafter could not draft in them
+    fresh.metrics.target_calls = 8  # rounds before any read tell nothing: the drafter could not draft in them
     assert engine._read_cost(fresh, set()) == pytest.approx(0.001 * unread / (remaining * 0.25))
-    fresh.read_at, fresh.rounds, fresh.drafting_rounds = 8, 16, 8  # since its read, it drafted every round
+    fresh.read_at, fresh.metrics.target_calls, fresh.drafting_rounds = (
+        8,
+        16,
+        8,
+    )  # since its read, it drafted every round
     assert engine._read_cost(fresh, set()) == pytest.approx(0.001 * unread / (remaining * (8 + 2) / 16))
     # a request that never read drifts the figure back toward drafting (a busy spell is not forever)
     quiet = Engine(target)

@@ -198,7 +198,6 @@ class Request:
         self.sources: dict[str, SourceState] = {}  # by source name
         self.draft, self.tree, self.side = Draft.empty(), None, []  # this round's candidates
         self.accepted = 0  # drafts the target accepted in the last round
-        self.rounds = 0  # decoding rounds absorbed
         self.read_at: int | None = None  # rounds absorbed when the proposer first read the context
         self.drafting_rounds = 0  # rounds since then in which a source that reads drafted
 
@@ -338,14 +337,23 @@ class Request:
             return 0
         return self.proposer.reads(self.context, self.read_upto)  # less a window's cut, a draft's own
 
+    @property
+    def rounds(self) -> int:
+        """Decoding rounds absorbed (one target call each)."""
+        return self.metrics.target_calls
+
+    @property
+    def rounds_since_read(self) -> int | None:
+        """Rounds absorbed since the proposer first read the context; None before it has."""
+        return None if self.read_at is None else self.rounds - self.read_at
+
     def drafting_share(self, prior: float, weight: float = 8.0) -> float:
         """The share of this request's rounds in which a source that reads the context drafts
         (a draft model's rounds at k > 0; not a hybrid's lookup rounds, nor rounds the planner
         keeps at k = 0): ``prior`` until the proposer has read, then ``prior`` counted as
         ``weight`` rounds beside the rounds since its first read (before that it cannot draft)."""
-        if self.read_at is None:
-            return prior
-        return (self.drafting_rounds + prior * weight) / (self.rounds - self.read_at + weight)
+        since = self.rounds_since_read
+        return prior if since is None else (self.drafting_rounds + prior * weight) / (since + weight)
 
     def catch_up(self) -> tuple[int, float]:
         """Before a round that drafts (or shadow-drafts): the proposer reads the context it has
@@ -441,7 +449,6 @@ class Request:
         m.verify_s += verify_s + time.perf_counter() - t
         m.record_round(drafted, accepted, len(committed))
         self.accepted = accepted
-        self.rounds += 1
         if self.read_at is not None:
             self.drafting_rounds += drafted > 0 and self._reads_context
         if self.proposer is not None and not self.spec.shadow:

@@ -334,7 +334,10 @@ class Engine:
         self._settle(planned, ks, drafted)
         # A request kept off its named drafter may draft from a second one (a hybrid's short
         # lookup), planned around the rows and tokens the others now bring.
-        second = [r for r, k in zip(planned, ks) if k == 0 and r not in drafted and self._fall_back(r)]
+        second = []
+        for r, k in zip(planned, ks):
+            if k == 0 and r not in drafted and self._fall_back(r):
+                second.append(r)
         if second:
             rest = [(c, k) for r, c, k in zip(planned, candidates, ks) if r not in second]
             other_rows += sum(k + 1 for _, k in rest)
@@ -345,6 +348,7 @@ class Engine:
         return drafted
 
     def _settle(self, planned: list[Request], ks: list[int], drafted: set[Request]) -> None:
+        """Give each request its planned k; those ``drafted`` already keep that prefix of it."""
         for r, k in zip(planned, ks):
             r.k = k
             r.current.off_steps = r.current.off_steps + 1 if k == 0 else 0
@@ -435,9 +439,9 @@ class Engine:
         One that never read tells nothing of it: the figure drifts back toward drafting every
         round, so a busy spell, when requests draft little and reads look dear, does not keep a
         quiet engine from reading for good."""
-        shares, key = self.memory.drafting_shares, id(r.spec.proposer)
-        if r.read_at is not None and r.rounds > r.read_at:
-            _fold(shares, key, r.drafting_rounds / (r.rounds - r.read_at))
+        shares, key, since = self.memory.drafting_shares, id(r.spec.proposer), r.rounds_since_read
+        if since:
+            _fold(shares, key, r.drafting_rounds / since)
         elif key in shares:
             shares[key] += 0.1 * (1.0 - shares[key])
 
