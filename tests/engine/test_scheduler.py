@@ -21,6 +21,7 @@ from specdecode.engine import Decoder, Engine, EngineConfig, GenerationConfig, S
 from specdecode.engine.planner import AcceptanceHistory, Candidate, ForwardCosts, ScoreCalibration, plan
 from specdecode.engine.policy import AcceptanceEstimates, AutoK, make_policy
 from specdecode.engine.request import DONE, PREFILL, RUNNING, WAITING, Request
+from specdecode.engine.scheduler import MIN_SHARE, _Crowd
 from specdecode.errors import ConfigError, InputError, QueueFullError
 from specdecode.models import int8dot, native
 from specdecode.proposers import DraftModelProposer, NgramProposer
@@ -387,6 +388,46 @@ def test_auto_k_switches_off_as_the_batch_grows():
     engine.run()
     k = engine.k_by_batch_size()
     assert k[48] == 0.0  # off, and no probe forced on a batch where even the prior would not pay
+
+
+def test_a_step_carrying_a_prompt_chunk_never_charges_the_prompt_to_decoding():
+    """A fresh engine has timed little but prompt steps, and a line through two of them can come
+    out flat (here: 220 and 435 rows in the same 1.1 s). Read as it stands, decoding's share of
+    a step carrying 214 prompt rows is the whole 1.1 s, and a weak draft, its row free, looks
+    worth 12 ms of drafting and a prompt read. Decoding is charged its rows' share at most."""
+    costs = ForwardCosts(ema=1.0)
+    costs.observe(220, 1.1)
+    costs.observe(435, 1.1)
+    weak = Candidate([0.6, 0.36, 0.22, 0.13], draft_s_per_token=0.012, k_max=4, read_s_per_token=0.05)
+    assert plan([weak] * 6, 214, 0.0, costs, prefill_rows=214) == [0] * 6
+    good = Candidate([0.9, 0.81, 0.73, 0.66], draft_s_per_token=0.001, k_max=4)  # cheap, sure drafts still pay
+    assert plan([good] * 6, 214, 0.0, costs, prefill_rows=214) == [4] * 6
+
+
+def test_a_drafters_read_is_priced_by_the_batch_the_requests_now_prefilling_will_make():
+    """When a burst of requests arrives, the first to finish their prompts decode a few steps in
+    a small batch, where drafting pays, then for the rest of their lives in a full one, where it
+    does not; the read is paid for only by those later rounds. So a read is spread over the share
+    of rounds the planner would draft in once everyone admitted or waiting decodes (16 at once:
+    each drafter read its prompt, then drafted once)."""
+    target = tiny_native(vocab=8, seed=5, layers=2)
+    spec = Speculation(DraftModelProposer(tiny_native(vocab=8, seed=6, layers=1)), policy=make_policy("auto", 4))
+    engine = Engine(target, config=EngineConfig(max_batch=8, prefill_chunk=4))
+    for n in (1, 2, 4, 8, 16, 32):  # a row costs a full forward from two rows on: 8 requests never draft
+        engine.memory.costs.observe(n, 0.01 * max(n, 1.5) if n > 1 else 0.01)
+    engine.memory.costs.ema, engine.memory.costs.forget_after = 0.0, 1 << 30
+    engine.memory.read_rates[id(spec.proposer)] = 0.001
+    first = engine.submit([3, 1, 2, 0, 1, 2, 3, 1], GenerationConfig(max_new_tokens=40), spec)
+    engine.step()
+    engine.step()  # its prompt is in: it decodes alone, its draft model has read nothing
+    assert first.status == RUNNING and first.read_at is None
+    candidate = Candidate(first.policy.accept_when_drafted(), 0.001, 4)
+    alone_cost = engine._read_cost(first, set(), _Crowd(candidate, 1, {}))
+    assert alone_cost == pytest.approx(engine._read_cost(first, set()))  # nobody coming: as before
+    for _ in range(7):  # seven more arrive, their prompts long
+        engine.submit([1, 2, 3, 0] * 8, GenerationConfig(max_new_tokens=40), spec)
+    crowded = engine._read_cost(first, set(), _Crowd(candidate, 1, {}))
+    assert crowded == pytest.approx(alone_cost / MIN_SHARE)  # in a batch of 8 it would never draft
 
 
 def test_a_draft_model_kept_off_by_the_planner_never_reads_a_prompt():

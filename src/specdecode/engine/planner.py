@@ -280,11 +280,19 @@ def plan(
     chunk looks so slow per token that any draft seems worth a row, and on a saturated machine
     those rows cost the whole run time. Rows are counted as ``costs`` counts them: the engine
     counts a prompt row, which skips the output head, as a fraction of a row that scores.
+    With prompt rows in the step, decoding's share is never more than its rows' share of the
+    forward: such a forward is bound by arithmetic, where a row costs about the average row. A
+    fresh engine has timed little but prompt steps, and a line through two or three of them can
+    come out flat; it then charged the whole prompt to decoding, and every draft looked worth
+    its row (16 requests at once: at the fourth step six requests each planned 6-8 drafts and
+    read their prompts into the draft model, in a step carrying 220 prompt rows).
     """
     ks = [0] * len(candidates)
     start = rows = other_rows + len(candidates)  # rows before any draft
     level, slope = costs.line(start)
     base = max(level - slope * prefill_rows, 0.05 * level)  # the decoding share of the step
+    if prefill_rows:
+        base = min(base, level * (start - prefill_rows) / start)
 
     def forward(n: float) -> float:  # decoding's share of a forward over n rows
         return base + slope * (n - start)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -78,6 +78,16 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be an integer >= 1 or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class _Crowd:
+    """What :meth:`Engine._crowded_share` needs of a step: the request's candidate without its
+    read, the requests decoding, and the shares worked out so far this step, by proposer."""
+
+    candidate: Candidate
+    decoding: int
+    memo: dict[int, float]
 
 
 @dataclass(frozen=True)
@@ -318,7 +328,7 @@ class Engine:
             other_tokens += max(r.metrics.committed_tokens / max(r.metrics.target_calls, 1), 1.0)
         if not planned:
             return set()
-        candidates, unpriced, drafted = [], set(), set()
+        candidates, unpriced, drafted, crowd = [], set(), set(), {}
         for r in planned:
             if r.drafts_first:
                 candidates.append(self._draft_first(r))
@@ -329,7 +339,9 @@ class Engine:
             stale = r.current.off_steps + 1 >= self.config.probe_every
             accept = r.policy.accept_when_drafted(optimistic=stale)
             k_max, reach = r.clip(r.policy.k_max), r.policy.reach_by_position()
-            candidates.append(Candidate(accept, self._draft_cost(r), k_max, reach, self._read_cost(r, unpriced)))
+            candidate = Candidate(accept, self._draft_cost(r), k_max, reach)
+            read = self._read_cost(r, unpriced, _Crowd(candidate, len(decoding), crowd))
+            candidates.append(replace(candidate, read_s_per_token=read) if read else candidate)
         ks = plan(candidates, other_rows, other_tokens, self.memory.costs, prefill_rows)
         self._settle(planned, ks, drafted)
         # A request kept off its named drafter may draft from a second one (a hybrid's short
@@ -381,15 +393,16 @@ class Engine:
         cal = self.memory.calibrations.get(key)
         return cal if cal is not None else self.memory.calibrations.setdefault(key, ScoreCalibration())
 
-    def _read_cost(self, r: Request, unpriced: set[int]) -> float:
+    def _read_cost(self, r: Request, unpriced: set[int], crowd: _Crowd | None = None) -> float:
         """Seconds per committed token of the context read a request pays before it drafts again
         (its draft model's prompt): seconds per token read, measured on earlier reads by the same
         proposer, times the tokens unread, spread over the tokens the request is expected still
         to make in rounds where a source that reads drafts (a hybrid's drafter rounds at k > 0,
         not its lookup's, which the read does not speed up, nor rounds the planner keeps at
-        k = 0, as it does most of them in a busy batch). Before any read was
-        measured, one request a step may read for free (so the price gets measured) and the
-        others may not."""
+        k = 0, as it does most of them in a busy batch), nor rounds in a batch crowded by the
+        requests now prefilling or waiting (``crowded``: the share of rounds drafting there, see
+        :meth:`_crowded_share`). Before any read was measured, one request a step may read for
+        free (so the price gets measured) and the others may not."""
         unread = r.unread()
         if not unread:
             return 0.0
@@ -400,8 +413,27 @@ class Engine:
                 return float("inf")
             unpriced.add(key)
             return 0.0
-        share = max(r.drafting_share(self.memory.drafting_shares.get(key, 1.0)), MIN_SHARE)
-        return rate * unread / (self._remaining(r) * share)
+        share = r.drafting_share(self.memory.drafting_shares.get(key, 1.0))
+        if crowd is not None:
+            share = min(share, self._crowded_share(r, crowd))
+        return rate * unread / (self._remaining(r) * max(share, MIN_SHARE))
+
+    def _crowded_share(self, r: Request, crowd: _Crowd) -> float:
+        """The share of rounds ``r``'s drafter would draft in once the requests now prefilling or
+        waiting decode too (up to ``max_batch``): the share of that many requests like it the
+        planner would give drafts to in one step. 1 while none is coming. Why: a read is paid for
+        by later rounds only, and when a burst of requests arrives the first to finish their
+        prompts decode a few steps in a small batch, where drafting pays, then for the rest of
+        their lives in a full one, where it does not (16 requests at once: each drafter read its
+        prompt, then drafted once). Worked out once a step per proposer."""
+        coming = min(len(self.running) + len(self.waiting), self.config.max_batch)
+        if coming <= crowd.decoding:
+            return 1.0
+        key = id(r.spec.proposer)
+        if key not in crowd.memo:
+            ks = plan([crowd.candidate] * coming, 0.0, 0.0, self.memory.costs)
+            crowd.memo[key] = sum(k > 0 for k in ks) / coming
+        return crowd.memo[key]
 
     def _remaining(self, r: Request) -> float:
         """Tokens the request is still expected to make: what its budget leaves, or fewer where
