@@ -428,6 +428,9 @@ def test_a_drafters_read_is_priced_by_the_batch_the_requests_now_prefilling_will
         engine.submit([1, 2, 3, 0] * 8, GenerationConfig(max_new_tokens=40), spec)
     crowded = engine._read_cost(first, set(), _Crowd(candidate, 1, {}))
     assert crowded == pytest.approx(alone_cost / MIN_SHARE)  # in a batch of 8 it would never draft
+    del engine.memory.read_rates[id(spec.proposer)]  # unpriced: the first read would be free, but not here
+    assert engine._read_cost(first, set(), _Crowd(candidate, 1, {})) == float("inf")
+    assert engine._read_cost(first, set()) == 0.0
 
 
 def test_a_draft_model_kept_off_by_the_planner_never_reads_a_prompt():

@@ -402,20 +402,20 @@ class Engine:
         k = 0, as it does most of them in a busy batch), nor rounds in a batch crowded by the
         requests now prefilling or waiting (``crowded``: the share of rounds drafting there, see
         :meth:`_crowded_share`). Before any read was measured, one request a step may read for
-        free (so the price gets measured) and the others may not."""
+        free (so the price gets measured) and the others may not, nor any where that batch would
+        never draft."""
         unread = r.unread()
         if not unread:
             return 0.0
         key = id(r.spec.proposer)
         rate = self.memory.read_rates.get(key)
+        crowded = 1.0 if crowd is None else self._crowded_share(r, crowd)
         if rate is None:
-            if key in unpriced:
+            if key in unpriced or not crowded:
                 return float("inf")
             unpriced.add(key)
             return 0.0
-        share = r.drafting_share(self.memory.drafting_shares.get(key, 1.0))
-        if crowd is not None:
-            share = min(share, self._crowded_share(r, crowd))
+        share = min(r.drafting_share(self.memory.drafting_shares.get(key, 1.0)), crowded)
         return rate * unread / (self._remaining(r) * max(share, MIN_SHARE))
 
     def _crowded_share(self, r: Request, crowd: _Crowd) -> float:
