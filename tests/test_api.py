@@ -192,3 +192,48 @@ def test_a_measured_suffix_card_is_picked_over_ngram(drafters):
     ship(drafters, "suffix", 1.5, ngram=1.2)
     assert best_method(TARGET) == "suffix"
     assert best_method(SimpleNamespace(source="/models/Other-Model-abc")) == "ngram"  # another target's card
+
+
+def sample_block(root, method: str, speedup: float, folder: str = "tiny-chat") -> None:
+    """Add a ``sampled_benchmark`` block (k planned) to ``method``'s card."""
+    card = root / folder / method / "card.json"
+    data = json.loads(card.read_text())
+    data["sampled_benchmark"] = {"speedup": speedup, "ngram_speedup": 1.0, "settings": {"k": "auto"}}
+    card.write_text(json.dumps(data))
+
+
+def test_auto_picks_for_sampled_requests_what_the_cards_measured_best_on_them(drafters):
+    """A draft kept with probability min(1, p/q) fares unlike one that must equal the argmax: on
+    the Qwen pair at T=0.7 the hybrid lost about a tenth to suffix decoding at every load, though
+    it led greedy. Cards keep a sampled measurement beside the greedy one, and ``auto`` picks
+    from the regime's own figures, never a mix of the two."""
+    from specdecode import api
+
+    ship(drafters, "hybrid", 1.3, ngram=1.1)
+    ship(drafters, "suffix", 1.25, ngram=1.1)
+    assert best_method(TARGET) == best_method(TARGET, sampled=True) == "hybrid"  # no sampled figures yet
+    sample_block(drafters, "hybrid", 1.05)
+    sample_block(drafters, "suffix", 1.2)
+    assert best_method(TARGET) == "hybrid" and best_method(TARGET, sampled=True) == "suffix"
+    assert api.benchmarked_settings(TARGET, "suffix", sampled=True) == {"k": "auto"}
+    ship(drafters, "eagle", 1.5)  # greedy figures only: no say in the sampled choice
+    assert best_method(TARGET) == "eagle" and best_method(TARGET, sampled=True) == "suffix"
+
+
+def test_a_generator_under_auto_runs_sampled_requests_on_the_sampled_choice(tmp_path, monkeypatch):
+    from specdecode.core.sampling import SamplingConfig
+    from specdecode.engine import GenerationConfig
+
+    monkeypatch.setattr(storage, "DRAFTERS_DIR", tmp_path / "drafters")
+    save_tiny_llama(tmp_path / "tiny")
+    ship(tmp_path / "drafters", "suffix", 1.3, ngram=1.1)
+    (tmp_path / "drafters" / "tiny-chat").rename(tmp_path / "drafters" / storage.drafter_name(tmp_path / "tiny"))
+    sample_block(tmp_path / "drafters", "suffix", 0.9, folder=storage.drafter_name(tmp_path / "tiny"))
+    gen = SpeculativeGenerator(str(tmp_path / "tiny"), k=2)
+    assert gen.method == "suffix"
+    sampled = gen.decoder_for(GenerationConfig(sampling=SamplingConfig(temperature=0.7)))
+    assert sampled is not gen.decoder and sampled.spec.method == "ngram"  # suffix lost when sampling
+    assert gen.decoder_for(GenerationConfig()) is gen.decoder
+    assert gen.generate([5, 6, 5, 6, 5], max_new_tokens=4, temperature=0.7, seed=1).token_ids
+    named = SpeculativeGenerator(str(tmp_path / "tiny"), method="suffix", k=2)  # asked for by name: one decoder
+    assert named.decoder_for(GenerationConfig(sampling=SamplingConfig(temperature=0.7))) is named.decoder

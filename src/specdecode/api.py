@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,20 +41,30 @@ def shipped_drafters(target: LoadedModel, methods: tuple[str, ...] = TRAINED) ->
     return cards
 
 
-def best_method(target: LoadedModel, draft_given: bool = False) -> str:
+def best_method(target: LoadedModel, draft_given: bool = False, sampled: bool = False) -> str:
     """What ``method="auto"`` runs: the method whose shipped card (a trained drafter's, or a card
     of measurements only, e.g. the hybrid's, or the draft model measured beside a Qwen target)
     records the best measured speedup, if it beat both plain decoding and n-gram lookup in that
     same run; else n-gram. A card measured with a named draft model counts only when that draft
-    is installed (or ``draft_given``: the caller brings one)."""
-    return _auto_choice(target, draft_given)[0]
+    is installed (or ``draft_given``: the caller brings one). ``sampled``: for requests sampled at
+    a temperature above 0, from the cards' ``sampled_benchmark`` blocks where any card has one
+    (a draft kept with probability min(1, p/q) fares unlike one that must equal the argmax)."""
+    return _auto_choice(target, draft_given, sampled)[0]
 
 
-def _auto_choice(target: LoadedModel, draft_given: bool) -> tuple[str, dict[str, Any]]:
+def _regime_blocks(target: LoadedModel, sampled: bool) -> dict[str, dict[str, Any]]:
+    """Each shipped card's measurement for the regime: sampled requests read the cards'
+    ``sampled_benchmark`` blocks where any card has one, else (and greedy ones always) their
+    ``benchmark`` blocks; never a mix, whose speedups would not compare."""
+    cards = shipped_drafters(target, MEASURED)
+    key = "sampled_benchmark" if sampled and any("sampled_benchmark" in c for c in cards.values()) else "benchmark"
+    return {method: card.get(key) or {} for method, card in cards.items()}
+
+
+def _auto_choice(target: LoadedModel, draft_given: bool, sampled: bool = False) -> tuple[str, dict[str, Any]]:
     """:func:`best_method` and its card's settings (:func:`benchmarked_settings`), the cards read once."""
     best, best_speedup, settings = FALLBACK, 1.0, {}
-    for method, card in shipped_drafters(target, MEASURED).items():
-        bench = card.get("benchmark") or {}
+    for method, bench in _regime_blocks(target, sampled).items():
         measured = bench.get("settings") or {}
         if not (draft_given or _draft_installed(measured.get("draft"))):
             continue
@@ -64,9 +75,10 @@ def _auto_choice(target: LoadedModel, draft_given: bool) -> tuple[str, dict[str,
 
 
 def measured_draft(target: LoadedModel) -> tuple[str, str] | None:
-    """The draft model (name, dtype) that what ``method="auto"`` picks was measured with; None
-    when it needs none. Servers load it once beside the target."""
-    return _card_draft(_auto_choice(target, False)[1], target)
+    """The draft model (name, dtype) that what ``method="auto"`` picks was measured with, for
+    greedy requests or else for sampled ones; None when neither needs one. Servers load it once
+    beside the target."""
+    return next(filter(None, (_card_draft(_auto_choice(target, False, s)[1], target) for s in (False, True))), None)
 
 
 def _card_draft(settings: dict[str, Any], target: LoadedModel) -> tuple[str, str] | None:
@@ -102,12 +114,11 @@ def best_drafter(target: LoadedModel) -> str:
     return max(cards, key=lambda m: float((cards[m].get("benchmark") or {}).get("speedup", 0.0)))
 
 
-def benchmarked_settings(target: LoadedModel, method: str) -> dict[str, Any]:
+def benchmarked_settings(target: LoadedModel, method: str, sampled: bool = False) -> dict[str, Any]:
     """The settings (k, policy, confidence; the hybrid's drafter and lookup) a shipped card says
-    its speedup was measured with, so that ``method="auto"`` runs what was measured; empty for
-    anything else."""
-    card = shipped_drafters(target, MEASURED).get(method) or {}
-    return _kept((card.get("benchmark") or {}).get("settings") or {})
+    its speedup was measured with (for ``sampled`` requests, as :func:`best_method` reads the
+    cards), so that ``method="auto"`` runs what was measured; empty for anything else."""
+    return _kept((_regime_blocks(target, sampled).get(method) or {}).get("settings") or {})
 
 
 @dataclass(frozen=True)
@@ -191,15 +202,18 @@ def resolve_speculation(
     tree: bool | None = None,
     max_nodes: int = 16,
     factory: Callable[[str, dict[str, Any]], Proposer | None] | None = None,
+    sampled: bool = False,
     **proposer_options: Any,
 ) -> Speculation:
-    """How a request speculates, from the user's words (see :class:`SpeculativeGenerator`).
+    """How a request speculates, from the user's words (see :class:`SpeculativeGenerator`);
+    ``sampled``: the request samples at a temperature above 0 (what ``auto`` picks, see
+    :func:`best_method`).
 
     ``factory(method, options)`` builds (or hands out an already built, shared) proposer
     prototype; by default a new one is built with :func:`make_proposer`.
     """
     chosen = method == "auto"
-    method, measured = _auto_choice(target, draft is not None) if chosen else (method, {})
+    method, measured = _auto_choice(target, draft is not None, sampled) if chosen else (method, {})
     if draft is None and (card_draft := _card_draft(measured, target)):  # what the card measured with
         draft, dtype = card_draft
         proposer_options.setdefault("dtype", dtype)
@@ -234,6 +248,15 @@ def resolve_speculation(
         shadow,
         TreeConfig(max_nodes=max_nodes) if use_tree else None,
     )
+
+
+def _same_run(a: Speculation, b: Speculation) -> bool:
+    """Whether two resolved speculations run the same method the same way (one decoder serves both)."""
+
+    def key(spec: Speculation) -> tuple[Any, ...]:
+        return spec.method, spec.k_max, None if spec.policy is None else spec.policy.name, spec.tree
+
+    return key(a) == key(b)
 
 
 class SpeculativeGenerator:
@@ -273,7 +296,11 @@ class SpeculativeGenerator:
         that later prompts starting the same way reuse instead of prefilling (0: off).
         """
         self.target = target if isinstance(target, LoadedModel) else load_model(target)
-        self.spec = resolve_speculation(
+        self.prefix_cache_mb = prefix_cache_mb
+        # ``auto`` may pick another method for sampled requests (:func:`best_method`): that one
+        # is resolved, and its decoder built, when a sampled request first asks for it
+        self._resolve = functools.partial(
+            resolve_speculation,
             self.target,
             method,
             k,
@@ -286,19 +313,33 @@ class SpeculativeGenerator:
             max_nodes=max_nodes,
             **proposer_options,
         )
+        self._auto = method == "auto"
+        self.spec = self._resolve()
+        self.decoder = self._decoder_for(self.spec)
         self.method, self.k = self.spec.method, self.spec.k_max
-        self.prefix_cache_mb = prefix_cache_mb
-        self.decoder = Decoder(
+        self._decoders = {False: self.decoder}
+
+    def _decoder_for(self, spec: Speculation) -> Decoder:
+        return Decoder(
             self.target.model,
-            self.spec.proposer,
-            self.spec.k,
-            policy=self.spec.policy,
-            shadow=shadow,
-            tree=self.spec.tree,
+            spec.proposer,
+            spec.k,
+            policy=spec.policy,
+            shadow=spec.shadow,
+            tree=spec.tree,
             eos_token_ids=self.target.eos_token_ids,
             tokenizer=self.target.tokenizer,
-            prefix_cache_mb=prefix_cache_mb,
+            prefix_cache_mb=self.prefix_cache_mb,
         )
+
+    def decoder_for(self, config: GenerationConfig) -> Decoder:
+        """The decoder a request with ``config`` runs on: this generator's, or for a sampled
+        request under ``auto``, the one of the method measured best on sampled requests."""
+        sampled = self._auto and not config.sampling.greedy
+        if sampled not in self._decoders:
+            spec = self._resolve(sampled=True)
+            self._decoders[sampled] = self.decoder if _same_run(spec, self.spec) else self._decoder_for(spec)
+        return self._decoders[sampled]
 
     def encode(self, prompt: str | list[int], chat: bool | None = None) -> list[int]:
         """Token ids for ``prompt``; text gets the chat template when the model has one."""
@@ -311,7 +352,7 @@ class SpeculativeGenerator:
         ``min_p``, ``stop_strings``, ``seed`` and ``chat``. Greedy unless sampling is asked for.
         """
         ids, config = self._prepare(prompt, **kwargs)
-        return self.decoder.generate(ids, config)
+        return self.decoder_for(config).generate(ids, config)
 
     def generate_many(
         self, prompts: list[str | list[int]], *, max_batch: int = 32, **kwargs: Any
@@ -319,13 +360,14 @@ class SpeculativeGenerator:
         """Many prompts in one batched engine with this generator's settings (same arguments as
         :meth:`generate`); each result is exactly what :meth:`generate` gives that prompt alone."""
         prepared = [self._prepare(p, **kwargs) for p in prompts]
-        engine = self.decoder.engine(EngineConfig(max_batch=max_batch, prefix_cache_mb=self.prefix_cache_mb))
-        return engine.generate([ids for ids, _ in prepared], [cfg for _, cfg in prepared], self.decoder.spec)
+        decoder = self.decoder_for(prepared[0][1]) if prepared else self.decoder  # one sampling for all
+        engine = decoder.engine(EngineConfig(max_batch=max_batch, prefix_cache_mb=self.prefix_cache_mb))
+        return engine.generate([ids for ids, _ in prepared], [cfg for _, cfg in prepared], decoder.spec)
 
     def stream(self, prompt: str | list[int], **kwargs: Any) -> Iterator[str]:
         """Yield text pieces as tokens commit (same arguments as :meth:`generate`)."""
         ids, config = self._prepare(prompt, **kwargs)
-        for event in self.decoder.run(ids, config):
+        for event in self.decoder_for(config).run(ids, config):
             if event.text:
                 yield event.text
 

@@ -167,3 +167,34 @@ def test_several_runs_record_each_methods_cell_with_the_best_geometric_mean(tmp_
     other = chat | {"config": chat["config"] | {"target": "/models/Other"}}
     with pytest.raises(InputError, match="different targets"):
         benchmark_blocks(code, other)
+
+
+def test_cells_sampled_at_a_temperature_record_a_sampled_block_beside_the_greedy_one(tmp_path):
+    """``auto`` picks per regime (a draft kept with probability min(1, p/q) fares unlike one that
+    must equal the argmax), so a run's T > 0 cells go to ``sampled_benchmark`` and its greedy
+    ones to ``benchmark``; a run with sampled cells only leaves the greedy block alone."""
+
+    def at(temperature: float, figures: dict[str, float]) -> list[dict]:
+        rows = []
+        for method, speedup in {"none": 1.0, "ngram": 1.05, **figures}.items():
+            r = row(method, "auto", "overall", speedup, 1.5) | {"temperature": temperature}
+            rows.append(r | {"cell": f"{method}|k=auto|T={temperature:g}"})
+        return rows
+
+    both = results() | {
+        "aggregates": at(0.0, {"hybrid": 1.3, "suffix": 1.25}) + at(0.7, {"hybrid": 1.05, "suffix": 1.2})
+    }
+    greedy, sampled = benchmark_blocks(both), benchmark_blocks(both, sampled=True)
+    assert (greedy["hybrid"]["speedup"], sampled["hybrid"]["speedup"]) == (1.3, 1.05)
+    assert sampled["suffix"]["speedup"] == 1.2 and sampled["suffix"]["decoding"].startswith("sampled (T=0.7) chain")
+    (tmp_path / "both").mkdir()
+    (tmp_path / "both" / "results.json").write_text(json.dumps(both))
+    record(tmp_path / "both", tmp_path / "d")
+    card = json.loads((tmp_path / "d" / "tiny-chat" / "suffix" / "card.json").read_text())
+    assert (card["benchmark"]["speedup"], card["sampled_benchmark"]["speedup"]) == (1.25, 1.2)
+    only = results() | {"aggregates": at(0.7, {"suffix": 1.4})}
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "results.json").write_text(json.dumps(only))
+    assert record(tmp_path / "only", tmp_path / "d") == [tmp_path / "d" / "tiny-chat" / "suffix" / "card.json"]
+    card = json.loads((tmp_path / "d" / "tiny-chat" / "suffix" / "card.json").read_text())
+    assert (card["benchmark"]["speedup"], card["sampled_benchmark"]["speedup"]) == (1.25, 1.4)

@@ -214,6 +214,33 @@ def test_best_runs_a_card_measured_at_k_auto_with_k_planned(tmp_path, monkeypatc
     assert (pinned.method, pinned.policy, pinned.k) == ("suffix", "fixed", 3)
 
 
+def test_best_runs_its_sampled_cells_on_what_the_cards_measured_best_when_sampling(tmp_path, monkeypatch):
+    """A ``best`` arm whose cards pick another method for sampled requests runs that one in its
+    T > 0 cells, as a server's ``auto`` does; its greedy cells are unchanged."""
+    from types import SimpleNamespace
+
+    from specdecode.bench.serve import parse_options, resolve_arm
+    from specdecode.networks import storage
+
+    monkeypatch.setattr(storage, "DRAFTERS_DIR", tmp_path)
+    for method, greedy, sampled in (("hybrid", 1.3, 1.05), ("suffix", 1.25, 1.2)):
+        card = {
+            "method": method,
+            "benchmark": {"speedup": greedy, "ngram_speedup": 1.0, "settings": {"k": "auto"}},
+            "sampled_benchmark": {"speedup": sampled, "ngram_speedup": 1.0, "settings": {"k": "auto"}},
+        }
+        (tmp_path / "tiny-chat" / method).mkdir(parents=True)
+        (tmp_path / "tiny-chat" / method / "card.json").write_text(json.dumps(card))
+    target = SimpleNamespace(source="/models/Tiny-Chat.Q4_1-abc123")
+    opts = parse_options(["--out", str(tmp_path / "o")])
+    best = resolve_arm(parse_arm("best"), target, opts)
+    best.sampled = resolve_arm(parse_arm("best"), target, opts, sampled=True)
+    assert best.method == "hybrid" and best.at(0.0) is best
+    assert best.at(0.7).method == "suffix" and best.at(0.7).name == "best"
+    assert best.label.endswith("; at T > 0: best (suffix, k<=8 planned by the engine)")
+    assert best.to_dict()["sampled"]["method"] == "suffix"
+
+
 def test_table_policy_follows_the_batch_size_in_the_engine():
     model = tiny_native(vocab=8, seed=2)
     engine = Engine(model)

@@ -1,6 +1,7 @@
 """``specdecode record-drafters OUT [OUT ...]``: write bench runs' measurements into the shipped cards.
 
-Each measured method's card gets a ``benchmark`` block from one side-by-side ``specdecode bench``
+Each measured method's card gets a ``benchmark`` block (and, from cells at a temperature above 0,
+a ``sampled_benchmark`` block: what ``auto`` picks for sampled requests) from one side-by-side ``specdecode bench``
 run, or from several on the same target (different workloads: the cell with the best geometric
 mean over them, each run's own figure kept under ``runs``): its best greedy chain cell overall (the settings it ran with: k, the confidence stop for
 ``+conf`` cells, the draft model by catalog name), that cell's per-category figures, the best
@@ -34,8 +35,9 @@ COMPOSED_HOW = {
 }
 
 
-def benchmark_blocks(*runs: dict[str, Any], k: str | None = None) -> dict[str, dict[str, Any]]:
-    """The ``benchmark`` block of every method measured greedily in each of ``runs`` (bench
+def benchmark_blocks(*runs: dict[str, Any], k: str | None = None, sampled: bool = False) -> dict[str, dict[str, Any]]:
+    """The ``benchmark`` block of every method measured greedily (``sampled``: at a temperature
+    above 0, the ``sampled_benchmark`` block) in each of ``runs`` (bench
     results on one target, typically different workloads): its chain cell with the best
     geometric-mean speedup over the runs, so that what ``auto`` picks wins across them and a
     near tie on one workload does not decide it. A method that ran with a draft model given by
@@ -47,7 +49,7 @@ def benchmark_blocks(*runs: dict[str, Any], k: str | None = None) -> dict[str, d
     targets = {run["config"]["target"] for run in runs}
     if len(targets) > 1:
         raise InputError(f"the runs measured different targets ({', '.join(sorted(targets))}): record one at a time")
-    cells = [_cell_blocks(run, k) for run in runs]  # per run: method -> cell -> block
+    cells = [_cell_blocks(run, k, sampled) for run in runs]  # per run: method -> cell -> block
     blocks = {}
     for method in MEASURED:
         names = set.intersection(*(set(c.get(method, {})) for c in cells))
@@ -57,10 +59,10 @@ def benchmark_blocks(*runs: dict[str, Any], k: str | None = None) -> dict[str, d
     return blocks
 
 
-def _cell_blocks(results: dict[str, Any], k: str | None) -> dict[str, dict[str, dict[str, Any]]]:
-    """For each method measured greedily in one run, a block for each of its default chain cells
-    (at ``k`` only, when given)."""
-    rows = [a for a in results["aggregates"] if a["temperature"] == 0]
+def _cell_blocks(results: dict[str, Any], k: str | None, sampled: bool) -> dict[str, dict[str, dict[str, Any]]]:
+    """For each method measured greedily (``sampled``: at a temperature above 0) in one run, a
+    block for each of its default chain cells (at ``k`` only, when given)."""
+    rows = [a for a in results["aggregates"] if (a["temperature"] > 0) == sampled]
     overall = {a["cell"]: a for a in rows if a["category"] == "overall"}
     ngram = max((a["speedup"] for a in overall.values() if a["method"] == "ngram"), default=None)
     config = results["config"]
@@ -146,8 +148,8 @@ def _block(
         "ngram_speedup": None if ngram is None else round(ngram, 3),
         "settings": settings,
         "cell": best["method"],
-        "decoding": f"greedy chain, native {config['dtype']}; speedup vs plain decoding measured "
-        "side by side in the same run",
+        "decoding": f"{'greedy' if not best['temperature'] else 'sampled (T=%g)' % best['temperature']} chain, "
+        f"native {config['dtype']}; speedup vs plain decoding measured side by side in the same run",
         "per_category_speedup": {a["category"]: round(a["speedup"], 3) for a in per_cat},
         "per_category_mean_accepted_length": {a["category"]: round(a["mean_accepted_length"], 3) for a in per_cat},
         "workload": f"{Path(config['workload']).name}, {config['prompts_per_category']} "
@@ -182,27 +184,31 @@ def record(
     from specdecode.networks import storage
 
     runs = [_load(p) for p in (results if isinstance(results, list) else [results])]
-    blocks = benchmark_blocks(*runs, k=k)
     root = Path(drafters_dir) if drafters_dir else storage.DRAFTERS_DIR
     folder = root / storage.drafter_name(runs[0]["config"]["target"])
     written = []
-    for method, block in blocks.items():
-        if methods is not None and method not in methods:
-            continue
-        card_path = folder / method / "card.json"
-        if card_path.exists():
-            card = json.loads(card_path.read_text())
-        elif method in TRAINED and "draft" not in block["settings"]:
-            continue  # a trained drafter's card comes with its weights, from training
-        else:  # no weights shipped: the card is just the measurement
-            card = {"method": method}
-            card_path.parent.mkdir(parents=True, exist_ok=True)
-        # a composed method's card says how what it measured works now; a trained one keeps its own
-        card["how"] = COMPOSED_HOW.get(method) or card.get("how") or method_spec(method).description
-        card["benchmark"] = block
-        card_path.write_text(json.dumps(card, indent=2) + "\n")
-        written.append(card_path)
-    return written
+    for key, sampled in (("benchmark", False), ("sampled_benchmark", True)):
+        for method, block in benchmark_blocks(*runs, k=k, sampled=sampled).items():
+            if methods is None or method in methods:
+                written += _write(folder / method / "card.json", method, key, block)
+    return sorted(set(written))
+
+
+def _write(card_path: Path, method: str, key: str, block: dict[str, Any]) -> list[Path]:
+    """Put ``block`` under ``key`` in ``method``'s card; the card written, or none for a trained
+    drafter whose card (from training) is not there."""
+    if card_path.exists():
+        card = json.loads(card_path.read_text())
+    elif method in TRAINED and "draft" not in block["settings"]:
+        return []  # a trained drafter's card comes with its weights, from training
+    else:  # no weights shipped: the card is just the measurement
+        card = {"method": method}
+        card_path.parent.mkdir(parents=True, exist_ok=True)
+    # a composed method's card says how what it measured works now; a trained one keeps its own
+    card["how"] = COMPOSED_HOW.get(method) or card.get("how") or method_spec(method).description
+    card[key] = block
+    card_path.write_text(json.dumps(card, indent=2) + "\n")
+    return [card_path]
 
 
 def _load(results_path: str | Path) -> dict[str, Any]:

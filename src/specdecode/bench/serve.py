@@ -392,6 +392,14 @@ class Arm:
     table: tuple[tuple[tuple[int, int], ...], int] | None = None
     tree: bool = False
     from_best: bool = False
+    sampled: Arm | None = None  # a ``best`` arm's choice for T > 0 cells, where the cards pick another
+
+    def at(self, temperature: float) -> Arm:
+        """The arm a cell at ``temperature`` runs (a sampled cell of ``best``/``auto`` runs what the
+        cards measured best on sampled requests, as a server's ``auto`` does)."""
+        from specdecode.core.sampling import GREEDY_BELOW
+
+        return self.sampled if self.sampled is not None and temperature >= GREEDY_BELOW else self
 
     @property
     def fixed_k(self) -> bool:
@@ -400,6 +408,10 @@ class Arm:
 
     @property
     def label(self) -> str:
+        own = self._label()
+        return own if self.sampled is None else f"{own}; at T > 0: {self.sampled.label}"
+
+    def _label(self) -> str:
         if self.method == "none":
             return "plain"
         if self.kind == "auto":
@@ -432,6 +444,7 @@ class Arm:
             "fixed_k": self.fixed_k,
             "from_best": self.from_best,
             "k_table": None if self.table is None else BatchTableK(*self.table).describe(),
+            "sampled": None if self.sampled is None else self.sampled.to_dict(),
         }
 
     def speculation(self, target: Any, draft: Any = None) -> Any:
@@ -454,16 +467,21 @@ class Arm:
         return Speculation(proposer, k=policy.k_max, policy=policy, tree=TreeConfig() if self.tree else None)
 
 
-def resolve_arm(spec: ArmSpec, target: Any, opts: Options) -> Arm:
-    """The arm for ``spec`` on ``target``: ``best`` is :func:`best_method` with its card's settings."""
+def resolve_arm(spec: ArmSpec, target: Any, opts: Options, sampled: bool = False) -> Arm:
+    """The arm for ``spec`` on ``target``: ``best`` is :func:`best_method` with its card's settings
+    (for cells at T > 0: ``sampled``, or the arm's :attr:`Arm.sampled`)."""
     from specdecode.api import MeasuredRun, benchmarked_settings, best_method, measured_run
     from specdecode.methods import TREE_ONLY
 
     if spec.base == "none":
         return Arm(spec.name, "none", "fixed", "none", 0)
     from_best = spec.base == "best"
-    method = best_method(target) if from_best else spec.base
-    run = measured_run(benchmarked_settings(target, method), opts.k) if from_best else MeasuredRun(opts.k, None, {})
+    method = best_method(target, sampled=sampled) if from_best else spec.base
+    run = (
+        measured_run(benchmarked_settings(target, method, sampled), opts.k)
+        if from_best
+        else MeasuredRun(opts.k, None, {})
+    )
     options = dict(run.options)
     if spec.options:  # written after the name; checked here too for best, now that it has a method
         method_spec(method).check_options([key for key, _ in spec.options])
@@ -838,7 +856,11 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         for spec in opts.arms:
             try:
                 arm = resolve_arm(spec, target, opts)
-                arm.speculation(target, draft).check(target.model)  # fails now, not mid-sweep
+                if arm.from_best and any(t > 0 for t in opts.temperatures):
+                    other = resolve_arm(spec, target, opts, sampled=True)
+                    arm.sampled = None if other == arm else other
+                for each in filter(None, (arm, arm.sampled)):
+                    each.speculation(target, draft).check(target.model)  # fails now, not mid-sweep
                 if opts.url is not None:
                     from specdecode.bench.http_target import speculative_field
 
@@ -847,7 +869,7 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             except (ConfigError, TypeError, ValueError) as exc:
                 skipped.append({"name": spec.name, "reason": str(exc)})
                 console.print(f"[yellow]skipping {spec.name}: {exc}[/yellow]")
-        max_k = max([a.k for a in arms] + [1])
+        max_k = max([a.k for arm in arms for a in filter(None, (arm, arm.sampled))] + [1])
         limit = int(target.model.max_length) - opts.max_new_tokens - max_k - 2
         if opts.max_prompt_tokens is not None:
             limit = min(limit, opts.max_prompt_tokens)
@@ -966,6 +988,7 @@ def run_cell(
     from specdecode.bench.serve_report import cell_metrics
 
     warm = min(int(point.value), opts.max_batch) if point.mode == "closed" else min(4, opts.max_batch)
+    arm = arm.at(temperature)
     target.start_cell(arm, temperature, warm)
     if point.mode == "closed":
         run = closed_loop(target, requests, int(point.value))

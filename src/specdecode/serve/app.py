@@ -240,7 +240,7 @@ async def _run(
 ) -> Any:
     budgets = [_max_tokens(state, body, len(ids)) for ids in prompts]
     try:
-        spec = await asyncio.to_thread(state.default_speculation, body.speculative)
+        spec = await asyncio.to_thread(state.default_speculation, body.speculative, state.sampled(body))
     except SpecDecodeError as exc:
         raise ApiError(400, str(exc), param="speculative") from None
     loop, items = asyncio.get_running_loop(), asyncio.Queue()

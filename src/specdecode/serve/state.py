@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.api import make_proposer, measured_draft, resolve_speculation
-from specdecode.core.sampling import SamplingConfig
+from specdecode.core.sampling import GREEDY_BELOW, SamplingConfig
 from specdecode.engine import Engine, EngineConfig, GenerationConfig, Speculation
 from specdecode.errors import ConfigError
 from specdecode.methods import method_names
@@ -124,7 +124,8 @@ class ServerState:
             self.target, self.draft = self._load()
             self.model_id = self.config.model_name or model_id(self.target.source)
             self.metrics = ServerMetrics(self.model_id)
-            self.default_speculation(None)  # build the default method's proposer before serving
+            for sampled in (False, True):  # build the default method's proposers before serving
+                self.default_speculation(None, sampled)
             engine = Engine(
                 self.target.model,
                 eos_token_ids=self.target.eos_token_ids,
@@ -165,8 +166,9 @@ class ServerState:
         limit = self.window - 1
         return min(limit, self.config.max_prompt_tokens or limit)
 
-    def default_speculation(self, settings: SpeculativeSettings | bool | None) -> Speculation:
-        """The request's ``speculative`` object over the server's defaults (``False``: plain)."""
+    def default_speculation(self, settings: SpeculativeSettings | bool | None, sampled: bool = False) -> Speculation:
+        """The request's ``speculative`` object over the server's defaults (``False``: plain);
+        ``sampled``: the request samples (``auto`` picks what was measured best on sampled requests)."""
         cfg = self.config
         if settings is False:
             return Speculation()
@@ -184,6 +186,7 @@ class ServerState:
             k_max=cfg.k_max,
             confidence=confidence,
             factory=self._prototype,
+            sampled=sampled,
         )
 
     def _prototype(self, method: str, options: dict[str, Any]) -> Proposer | None:
@@ -219,6 +222,12 @@ class ServerState:
             logprobs=logprobs,
             cache_salt=body.cache_salt,
         )
+
+    def sampled(self, body: _Generation) -> bool:
+        """Whether the request samples (at OpenAI's default temperature 1 where the body is silent;
+        a bad temperature is refused later, with its own error)."""
+        temperature = 1.0 if body.temperature is None else body.temperature
+        return not temperature < GREEDY_BELOW
 
     def methods(self) -> list[str]:
         return list(method_names())
