@@ -218,6 +218,11 @@ def test_auto_picks_for_sampled_requests_what_the_cards_measured_best_on_them(dr
     assert api.benchmarked_settings(TARGET, "suffix", sampled=True) == {"k": "auto"}
     ship(drafters, "eagle", 1.5)  # greedy figures only: no say in the sampled choice
     assert best_method(TARGET) == "eagle" and best_method(TARGET, sampled=True) == "suffix"
+    card = drafters / "tiny-chat" / "suffix" / "card.json"
+    data = json.loads(card.read_text())
+    data["sampled_benchmark"]["ngram_speedup"] = None  # recorded from runs without an n-gram cell
+    card.write_text(json.dumps(data))
+    assert best_method(TARGET, sampled=True) == "suffix"
 
 
 def test_a_generator_under_auto_runs_sampled_requests_on_the_sampled_choice(tmp_path, monkeypatch):

@@ -69,7 +69,7 @@ def _auto_choice(target: LoadedModel, draft_given: bool, sampled: bool = False) 
         if not (draft_given or _draft_installed(measured.get("draft"))):
             continue
         speedup = float(bench.get("speedup", 0.0))
-        if speedup > max(best_speedup, float(bench.get("ngram_speedup", 1.0))):
+        if speedup > max(best_speedup, float(bench.get("ngram_speedup") or 1.0)):  # None: no n-gram cell ran
             best, best_speedup, settings = method, speedup, measured
     return best, _kept(settings)
 
