@@ -78,7 +78,10 @@ def measured_draft(target: LoadedModel) -> tuple[str, str] | None:
     """The draft model (name, dtype) that what ``method="auto"`` picks was measured with, for
     greedy requests or else for sampled ones; None when neither needs one. Servers load it once
     beside the target."""
-    return next(filter(None, (_card_draft(_auto_choice(target, False, s)[1], target) for s in (False, True))), None)
+    for sampled in (False, True):
+        if draft := _card_draft(_auto_choice(target, False, sampled)[1], target):
+            return draft
+    return None
 
 
 def _card_draft(settings: dict[str, Any], target: LoadedModel) -> tuple[str, str] | None:

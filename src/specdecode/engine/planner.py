@@ -291,7 +291,7 @@ def plan(
     start = rows = other_rows + len(candidates)  # rows before any draft
     level, slope = costs.line(start)
     base = max(level - slope * prefill_rows, 0.05 * level)  # the decoding share of the step
-    if prefill_rows:
+    if 0 < prefill_rows < start:
         base = min(base, level * (start - prefill_rows) / start)
 
     def forward(n: float) -> float:  # decoding's share of a forward over n rows

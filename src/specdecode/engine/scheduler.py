@@ -400,7 +400,7 @@ class Engine:
         to make in rounds where a source that reads drafts (a hybrid's drafter rounds at k > 0,
         not its lookup's, which the read does not speed up, nor rounds the planner keeps at
         k = 0, as it does most of them in a busy batch), nor rounds in a batch crowded by the
-        requests now prefilling or waiting (``crowded``: the share of rounds drafting there, see
+        requests now prefilling or waiting (``crowd``: the share of rounds drafting there, see
         :meth:`_crowded_share`). Before any read was measured, one request a step may read for
         free (so the price gets measured) and the others may not, nor any where that batch would
         never draft."""
