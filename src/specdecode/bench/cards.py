@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.runner import CONF_SUFFIX, TREE_SUFFIX, base_method, parse_method
+from specdecode.core.sampling import is_greedy
 from specdecode.errors import InputError
 from specdecode.methods import COMPOSED, MEASURED, TRAINED, method_spec
 from specdecode.models.catalog import CATALOG
@@ -62,7 +63,7 @@ def benchmark_blocks(*runs: dict[str, Any], k: str | None = None, sampled: bool 
 def _cell_blocks(results: dict[str, Any], k: str | None, sampled: bool) -> dict[str, dict[str, dict[str, Any]]]:
     """For each method measured greedily (``sampled``: at a temperature above 0) in one run, a
     block for each of its default chain cells (at ``k`` only, when given)."""
-    rows = [a for a in results["aggregates"] if (a["temperature"] > 0) == sampled]
+    rows = [a for a in results["aggregates"] if is_greedy(a["temperature"]) != sampled]
     overall = {a["cell"]: a for a in rows if a["category"] == "overall"}
     ngram = max((a["speedup"] for a in overall.values() if a["method"] == "ngram"), default=None)
     config = results["config"]
@@ -142,14 +143,15 @@ def _block(
     """One method's block: its best cell ``best``, its per-category rows, its best tree cell."""
     config = results["config"]
     per_cat = [a for a in rows if a["cell"] == best["cell"] and a["category"] != "overall"]
+    regime = "greedy" if is_greedy(best["temperature"]) else f"sampled (T={best['temperature']:g})"
     block = {
         "speedup": round(best["speedup"], 3),
         "mean_accepted_length": round(best["mean_accepted_length"], 3),
         "ngram_speedup": None if ngram is None else round(ngram, 3),
         "settings": settings,
         "cell": best["method"],
-        "decoding": f"{'greedy' if not best['temperature'] else 'sampled (T=%g)' % best['temperature']} chain, "
-        f"native {config['dtype']}; speedup vs plain decoding measured side by side in the same run",
+        "decoding": f"{regime} chain, native {config['dtype']}; speedup vs plain decoding measured side by "
+        "side in the same run",
         "per_category_speedup": {a["category"]: round(a["speedup"], 3) for a in per_cat},
         "per_category_mean_accepted_length": {a["category"]: round(a["mean_accepted_length"], 3) for a in per_cat},
         "workload": f"{Path(config['workload']).name}, {config['prompts_per_category']} "

@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 from specdecode.bench.workload import WorkItem, default_workload_path, load_workload
 from specdecode.core.dtypes import DTYPE_CHOICES, DTYPE_HELP
+from specdecode.core.sampling import is_greedy
 from specdecode.engine.policy import BatchTableK
 from specdecode.engine.scheduler import EngineConfig
 from specdecode.errors import ConfigError, InputError
@@ -397,9 +398,12 @@ class Arm:
     def at(self, temperature: float) -> Arm:
         """The arm a cell at ``temperature`` runs (a sampled cell of ``best``/``auto`` runs what the
         cards measured best on sampled requests, as a server's ``auto`` does)."""
-        from specdecode.core.sampling import GREEDY_BELOW
+        return self if self.sampled is None or is_greedy(temperature) else self.sampled
 
-        return self.sampled if self.sampled is not None and temperature >= GREEDY_BELOW else self
+    @property
+    def variants(self) -> tuple[Arm, ...]:
+        """This arm and, where it has one, the one its sampled cells run."""
+        return (self,) if self.sampled is None else (self, self.sampled)
 
     @property
     def fixed_k(self) -> bool:
@@ -469,7 +473,7 @@ class Arm:
 
 def resolve_arm(spec: ArmSpec, target: Any, opts: Options, sampled: bool = False) -> Arm:
     """The arm for ``spec`` on ``target``: ``best`` is :func:`best_method` with its card's settings
-    (for cells at T > 0: ``sampled``, or the arm's :attr:`Arm.sampled`)."""
+    (``sampled``: the cards' choice for sampled requests, an arm's :attr:`Arm.sampled`)."""
     from specdecode.api import MeasuredRun, benchmarked_settings, best_method, measured_run
     from specdecode.methods import TREE_ONLY
 
@@ -856,10 +860,10 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
         for spec in opts.arms:
             try:
                 arm = resolve_arm(spec, target, opts)
-                if arm.from_best and any(t > 0 for t in opts.temperatures):
+                if arm.from_best and not all(is_greedy(t) for t in opts.temperatures):
                     other = resolve_arm(spec, target, opts, sampled=True)
                     arm.sampled = None if other == arm else other
-                for each in filter(None, (arm, arm.sampled)):
+                for each in arm.variants:
                     each.speculation(target, draft).check(target.model)  # fails now, not mid-sweep
                 if opts.url is not None:
                     from specdecode.bench.http_target import speculative_field
@@ -869,7 +873,7 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
             except (ConfigError, TypeError, ValueError) as exc:
                 skipped.append({"name": spec.name, "reason": str(exc)})
                 console.print(f"[yellow]skipping {spec.name}: {exc}[/yellow]")
-        max_k = max([a.k for arm in arms for a in filter(None, (arm, arm.sampled))] + [1])
+        max_k = max([a.k for arm in arms for a in arm.variants] + [1])
         limit = int(target.model.max_length) - opts.max_new_tokens - max_k - 2
         if opts.max_prompt_tokens is not None:
             limit = min(limit, opts.max_prompt_tokens)

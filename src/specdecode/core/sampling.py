@@ -11,6 +11,12 @@ from specdecode.errors import ConfigError
 GREEDY_BELOW = 1e-5
 
 
+def is_greedy(temperature: float) -> bool:
+    """Temperatures below GREEDY_BELOW are greedy: dividing logits by them overflows float32,
+    and the law they describe is the argmax's to within float precision (vLLM does the same)."""
+    return temperature < GREEDY_BELOW
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Sampling settings, named as in transformers' ``generate``; temperature 0 means greedy."""
@@ -32,9 +38,8 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        """Temperatures below GREEDY_BELOW are greedy: dividing logits by them overflows float32,
-        and the law they describe is the argmax's to within float precision (vLLM does the same)."""
-        return self.temperature < GREEDY_BELOW
+        """Whether this samples the argmax (:func:`is_greedy`)."""
+        return is_greedy(self.temperature)
 
 
 def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.api import make_proposer, measured_draft, resolve_speculation
-from specdecode.core.sampling import GREEDY_BELOW, SamplingConfig
+from specdecode.core.sampling import SamplingConfig, is_greedy
 from specdecode.engine import Engine, EngineConfig, GenerationConfig, Speculation
 from specdecode.errors import ConfigError
 from specdecode.methods import method_names
@@ -204,9 +204,8 @@ class ServerState:
 
     def generation(self, body: _Generation, max_tokens: int, index: int) -> GenerationConfig:
         """One choice's settings; OpenAI's defaults (temperature 1) where the body is silent."""
-        temperature = 1.0 if body.temperature is None else body.temperature
         sampling = SamplingConfig(
-            temperature=temperature,
+            temperature=_temperature(body),
             top_k=max(body.top_k or 0, 0),
             top_p=1.0 if body.top_p is None else body.top_p,
             min_p=body.min_p or 0.0,
@@ -224,13 +223,16 @@ class ServerState:
         )
 
     def sampled(self, body: _Generation) -> bool:
-        """Whether the request samples (at OpenAI's default temperature 1 where the body is silent;
-        a bad temperature is refused later, with its own error)."""
-        temperature = 1.0 if body.temperature is None else body.temperature
-        return not temperature < GREEDY_BELOW
+        """Whether the request samples (a bad temperature is refused later, with its own error)."""
+        return not is_greedy(_temperature(body))
 
     def methods(self) -> list[str]:
         return list(method_names())
+
+
+def _temperature(body: _Generation) -> float:
+    """The body's temperature, OpenAI's default 1 where it is silent."""
+    return 1.0 if body.temperature is None else body.temperature
 
 
 def _logprobs_wanted(body: _Generation) -> int | None:
