@@ -1,9 +1,11 @@
 """Logit processing: temperature, top-k, top-p, min-p, greedy."""
 
+from collections import Counter
+
 import pytest
 import torch
 
-from specdecode.core.sampling import SamplingConfig, logits_to_probs
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
 from specdecode.errors import ConfigError
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
@@ -62,3 +64,60 @@ def test_extreme_settings_keep_a_valid_distribution():
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0]]))
     tiny = SamplingConfig(temperature=1e-300)
     assert tiny.greedy and torch.equal(logits_to_probs(logits, tiny), probs)
+
+
+# -- sample: inverse-CDF draws -------------------------------------------------------------------
+
+ALPHA = 1e-3  # significance level of the chi-square tests below
+LAWS = torch.tensor(
+    [
+        [0.0, 0.2, 0.0, 0.5, 0.3, 0.0],  # zeros inside and at both ends
+        [0.1, 0.1, 0.1, 0.1, 0.1, 0.5],
+        [0.6, 0.4, 0.8, 0.0, 0.2, 0.0],  # not normalised (mass 2)
+    ]
+)
+
+
+def _inverse_cdf_without_scaling(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A deliberately broken sampler: u ~ U[0, 1) not scaled by the row's mass."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+
+
+def _pvalues(sampler, n: int = 6000) -> list[float]:
+    from specdecode.testing import chi_square_pvalue
+
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sampler(LAWS, g) for _ in range(n)])  # [n, rows]
+    pvalues = []
+    for row, law in enumerate(LAWS / LAWS.sum(-1, keepdim=True)):
+        counts = Counter((int(x),) for x in draws[:, row])
+        pvalues.append(chi_square_pvalue(counts, {(i,): float(p) for i, p in enumerate(law) if p > 0}))
+    return pvalues
+
+
+def test_sample_draws_each_row_from_its_law_and_never_a_token_without_mass():
+    """Chi-square per row at ALPHA (6,000 draws); a draw of a zero-mass token gives p = 0."""
+    assert min(_pvalues(sample)) > ALPHA
+
+
+def test_a_sampler_that_ignores_a_rows_mass_is_caught():
+    assert min(_pvalues(_inverse_cdf_without_scaling)) < ALPHA
+
+
+def test_a_draw_at_the_top_of_the_range_keeps_to_the_last_token_with_mass(monkeypatch):
+    """u * mass rounding up to the mass itself must not fall on the trailing zero-mass tokens."""
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.ones(*a[0], dtype=torch.float64))
+    assert sample(LAWS).tolist() == [4, 5, 4]
+
+
+def test_sample_is_reproducible_with_a_seeded_generator():
+    draws = [sample(LAWS, torch.Generator().manual_seed(3)).tolist() for _ in range(2)]
+    assert draws[0] == draws[1]
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(1, 4), torch.tensor([[0.5, float("nan"), 0.5]])])
+def test_sample_refuses_a_row_without_mass(bad):
+    with pytest.raises(ValueError, match="positive, finite probability mass"):
+        sample(bad)

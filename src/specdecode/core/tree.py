@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.core.sampling import sample
 from specdecode.core.verify import RESIDUAL_EPS
 
 
@@ -120,6 +121,6 @@ def verify_tree_sampling(
         if chosen is None:
             if float(residual.sum()) <= RESIDUAL_EPS:
                 residual = target_probs[node].float()  # stable fallback: rejection had ~0 mass
-            token = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+            token = int(sample(residual[None], generator))
             return TreeVerification(path=path, next_token=token)
         path.append(chosen)

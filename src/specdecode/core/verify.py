@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.core.sampling import sample
+
 # Residual mass below this is treated as zero: we then sample from p itself (the rejection had
 # probability ~0, so any choice keeps the output distribution exact up to that mass).
 RESIDUAL_EPS = 1e-9
@@ -87,7 +89,7 @@ def verify_sampling(draft: Draft, target_probs: torch.Tensor, generator: torch.G
     residual = (p_at - q_pad[rows, num_accepted]).clamp_min(0.0)
     mass = residual.sum(dim=-1, keepdim=True)
     final = torch.where(mass > RESIDUAL_EPS, residual / mass.clamp_min(RESIDUAL_EPS), p_at)
-    next_token = torch.multinomial(final, 1, generator=generator).squeeze(-1)
+    next_token = sample(final, generator)
     return Verification(num_accepted=num_accepted, next_token=next_token)
 
 
