@@ -5,6 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
+from specdecode.core import sampling
 from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
 from specdecode.errors import ConfigError
 
@@ -121,3 +122,28 @@ def test_sample_is_reproducible_with_a_seeded_generator():
 def test_sample_refuses_a_row_without_mass(bad):
     with pytest.raises(ValueError, match="positive, finite probability mass"):
         sample(bad)
+
+
+# -- top-p over the top candidates, against the full sort -----------------------------------------
+
+
+@pytest.mark.parametrize("candidates", [(4, 16), (256, 4096)])
+def test_top_p_over_candidates_equals_the_full_sort(monkeypatch, candidates):
+    """Every path (nucleus within the first candidates, within the second, wider than both) keeps
+    exactly the tokens the full sort keeps: peaked and flat rows, -inf entries, tiny top_p."""
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", candidates)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        rows, vocab = 1 + trial % 4, (50, 1000, 5000)[trial % 3]
+        x = torch.randn(rows, vocab, generator=g) * (0.05, 0.5, 2.0, 8.0)[trial % 4]
+        if trial % 5 == 0:
+            x[:, ::7] = float("-inf")
+        top_p = (1e-300, 0.1, 0.5, 0.9, 0.95, 0.999)[trial % 6]
+        assert torch.equal(sampling.top_p_filter(x, top_p), sampling.top_p_filter_sorted(x, top_p)), trial
+
+
+def test_top_p_keeps_the_shape_of_batched_logits():
+    x = torch.randn(2, 3, 40)
+    out = sampling.top_p_filter(x, 0.8)
+    assert out.shape == x.shape
+    assert torch.equal(out.isfinite(), sampling.top_p_filter_sorted(x.view(6, 40), 0.8).view(2, 3, 40).isfinite())

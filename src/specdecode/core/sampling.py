@@ -53,17 +53,67 @@ def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if cfg.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sorted_p = torch.softmax(sorted_x, dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p; the top token stays.
-        drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= cfg.top_p
-        drop_sorted[..., 0] = False  # even when top_p underflows float32 (1e-300 reads as 0)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        x = top_p_filter(x, cfg.top_p)
     if cfg.min_p > 0.0:
         p = torch.softmax(x, dim=-1)
         x = x.masked_fill(p < cfg.min_p * p.amax(dim=-1, keepdim=True), float("-inf"))
     return x
+
+
+NUCLEUS_CANDIDATES = (256, 4096)  # tokens sorted for top-p, in turn; a row wider still sorts all
+
+
+def top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``x`` [..., vocab] with every token outside the nucleus set to -inf: in order of
+    decreasing probability (float32 softmax), a token is dropped when the probability strictly
+    before it (summed in float64, compared in float32) already reaches ``top_p``; the top token
+    always stays.
+
+    Sorting all 151,936 probabilities of the Qwen2 vocabulary took ~12 ms a row on 2 cores, more
+    than the 0.5B draft's whole step, and a 9-row verify ~60 ms. The nucleus almost always lies
+    among the top few hundred tokens, so only the top :data:`NUCLEUS_CANDIDATES` are sorted
+    (``torch.topk``); a row whose candidates hold less than ``top_p`` tries the next, larger
+    count, and at last sorts in full (:func:`top_p_filter_sorted`, the reference).
+    """
+    vocab = x.shape[-1]
+    rows = x.reshape(-1, vocab)  # [rows, vocab]
+    probs = torch.softmax(rows, dim=-1)  # [rows, vocab]
+    out = torch.empty_like(rows)
+    todo = torch.arange(rows.shape[0])
+    for n in NUCLEUS_CANDIDATES:
+        if n >= vocab:
+            break
+        top, order = torch.topk(probs[todo], n, dim=-1)  # [todo, n], descending
+        p = top.double()
+        held = torch.cumsum(p, dim=-1)
+        out[todo] = _keep_only(rows[todo], order, _reached(held - p, top_p))
+        todo = todo[held[:, -1] < top_p]  # the nucleus may reach past these candidates
+        if not todo.numel():
+            return out.view(x.shape)
+    out[todo] = top_p_filter_sorted(rows[todo], top_p)
+    return out.view(x.shape)
+
+
+def top_p_filter_sorted(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """:func:`top_p_filter` by sorting every probability (the plain reference); ``x`` [rows, vocab]."""
+    sorted_p, order = torch.sort(torch.softmax(x, dim=-1), dim=-1, descending=True)
+    p = sorted_p.double()
+    return _keep_only(x, order, _reached(torch.cumsum(p, dim=-1) - p, top_p))
+
+
+def _reached(before: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Where the mass before a token (float64) reaches ``top_p``, compared in float32 as the
+    probabilities are: a prefix whose mass is top_p exactly (0.5 + 0.2 for 0.7) counts as reached."""
+    return before.float() >= top_p
+
+
+def _keep_only(x: torch.Tensor, order: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """-inf but at the tokens ``order`` [rows, n] not ``drop``-ped, which keep their ``x``
+    [rows, vocab]; the first of ``order`` always stays (even when top_p underflows: 1e-300
+    reads as 0 next to float probabilities)."""
+    drop[:, 0] = False
+    kept = x.gather(-1, order).masked_fill(drop, float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter_(-1, order, kept)
 
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
