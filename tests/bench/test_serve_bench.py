@@ -433,6 +433,32 @@ def test_a_draft_model_given_once_serves_the_draft_and_hybrid_cells(tmp_path):
     assert "## Drafting rounds by source" in (out / "summary.md").read_text()
 
 
+def test_sampled_cells_send_the_top_p_asked_for(tmp_path, monkeypatch):
+    """``--top-p`` reaches every sampled request (greedy ones ignore it), and the results and the
+    summary name it."""
+    from specdecode.engine import Engine
+
+    seen, submit = [], Engine.submit
+
+    def spy(self, prompt, config, *args, **kwargs):
+        seen.append((config.sampling.temperature, config.sampling.top_p))
+        return submit(self, prompt, config, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "submit", spy)
+    save_tiny_llama(tmp_path / "target")
+    workload = tmp_path / "work.jsonl"
+    workload.write_text("\n".join(json.dumps(r) for r in WORKLOAD) + "\n")
+    out = tmp_path / "out"
+    argv = ["bench-serve", "--quick", "--target", str(tmp_path / "target"), "--workload", str(workload)]
+    argv += ["--out", str(out), "--methods", "none,ngram", "--concurrency", "1", "--requests", "2"]
+    argv += ["--max-new-tokens", "6", "--temperatures", "0,0.8", "--top-p", "0.5"]
+    rc, stdout, stderr = run_cli(argv)
+    assert rc == 0, stderr
+    assert {top_p for t, top_p in seen if t > 0} == {0.5} and any(t == 0 for t, _ in seen)
+    assert json.loads((out / "results.json").read_text())["config"]["top_p"] == 0.5
+    assert "sampled with top-p 0.5" in (out / "summary.md").read_text()
+
+
 def test_url_refuses_a_draft_model(tmp_path):
     rc, stdout, stderr = run_cli(
         ["bench-serve", "--url", "http://127.0.0.1:9", "--draft", "x", "--out", str(tmp_path / "o")]
@@ -455,6 +481,8 @@ def test_url_refuses_a_draft_model(tmp_path):
         ["--no-such-flag"],
         ["--k", "two"],
         ["--repeats", "0"],
+        ["--top-p", "0"],
+        ["--top-p", "1.5"],
     ],
 )
 def test_bad_options_are_one_error_line(argv, tmp_path):

@@ -25,7 +25,7 @@ from specdecode.errors import ConfigError, InputError
 class HttpTarget:
     """A server at ``url`` (``http://host:port``, with or without ``/v1``) as a serving target."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0, top_p: float = 1.0) -> None:
         parsed = urlparse(url if "://" in url else "http://" + url)
         if parsed.scheme != "http" or not parsed.hostname:
             raise ConfigError(f"--url: expected http://HOST:PORT, got {url!r}")
@@ -34,7 +34,7 @@ class HttpTarget:
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
-        self.timeout_s = timeout_s
+        self.timeout_s, self.top_p = timeout_s, top_p
         self.events: queue.Queue = queue.Queue()
         self.model = self._model_id()
 
@@ -78,6 +78,7 @@ class HttpTarget:
             "prompt": request.prompt_ids,
             "max_tokens": request.max_new_tokens,
             "temperature": self.temperature,
+            "top_p": self.top_p,
             "seed": request.seed,
             "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},

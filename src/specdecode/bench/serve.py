@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"table policy: B:K pairs (k K for batch <= B), then k above the last B (default {DEFAULT_K_TABLE})",
     )
     p.add_argument("--temperatures", default=None, help=f"comma list; 0 = greedy (default {DEFAULTS['temperatures']})")
+    p.add_argument(
+        "--top-p",
+        default="1",
+        help="nucleus filtering of sampled cells, as clients send it (default 1: off; greedy cells ignore it)",
+    )
     p.add_argument("--max-batch", default=None, help="engine max batch (default max(32, top concurrency))")
     p.add_argument("--seed", default="0", help="prompt sample, arrivals and sampling seed (default 0)")
     p.add_argument(
@@ -227,6 +232,7 @@ class Options:
     slo_ms: tuple[float, float] = (2000.0, 200.0)  # (TTFT, TPOT) a request must meet to count as goodput
     repeats: int = 1  # runs of every cell, interleaved; throughput pooled, latencies of the median run
     prefix_cache_mb: int = EngineConfig.prefix_cache_mb  # the engine's prefix store (0: off)
+    top_p: float = 1.0  # nucleus filtering of sampled cells (1: off)
 
     def requests_for(self, point: LoadPoint) -> int:
         if self.requests is not None:
@@ -234,6 +240,13 @@ class Options:
         if point.mode == "poisson":
             return POISSON_REQUESTS
         return max(MIN_REQUESTS, 2 * int(point.value))
+
+
+def _top_p(text: str) -> float:
+    value = _float(text, "--top-p", positive=True)
+    if value > 1.0:
+        raise ConfigError(f"--top-p: must be in (0, 1], got {text}")
+    return value
 
 
 def _split(text: str, what: str) -> list[str]:
@@ -368,6 +381,7 @@ def parse_options(argv: list[str]) -> Options:
         max_batch=_int(args.max_batch, "--max-batch") if args.max_batch is not None else top,
         seed=_int(args.seed, "--seed", low=0),
         repeats=_int(args.repeats, "--repeats"),
+        top_p=_top_p(args.top_p),
         prefix_cache_mb=_int(args.prefix_cache_mb, "--prefix-cache-mb", low=0),
         url=args.url,
         api_key=args.api_key,
@@ -702,9 +716,11 @@ def open_loop(target: ServeTarget, requests: Sequence[LoadRequest], arrivals: Se
 class EngineTarget:
     """The in-process engine as a serving target: a fresh engine (and proposer) per cell."""
 
-    def __init__(self, loaded: Any, max_batch: int, draft: Any = None, prefix_cache_mb: int = 0) -> None:
+    def __init__(
+        self, loaded: Any, max_batch: int, draft: Any = None, prefix_cache_mb: int = 0, top_p: float = 1.0
+    ) -> None:
         self.loaded, self.max_batch, self.draft = loaded, max_batch, draft
-        self.prefix_cache_mb = prefix_cache_mb
+        self.prefix_cache_mb, self.top_p = prefix_cache_mb, top_p
         self.engine: Any = None
         self.skew = 0.0  # idle time skipped (Poisson mode) instead of slept
 
@@ -728,7 +744,7 @@ class EngineTarget:
             config=EngineConfig(max_batch=self.max_batch, prefix_cache_mb=self.prefix_cache_mb),
         )
         self.spec = arm.speculation(loaded, self.draft)
-        self.sampling = SamplingConfig(temperature=temperature)
+        self.sampling = SamplingConfig(temperature=temperature, top_p=self.top_p)
         self.by_id: dict[int, int] = {}
         warm = encode_prompt(loaded.tokenizer, WARM_TEXT)[:16] or [0, 0]
         for i in range(warmup):
@@ -940,6 +956,7 @@ def run_serve(opts: Options, items: list[WorkItem], argv: list[str]) -> int:
                 "backend": getattr(target.model, "backend", opts.backend),
                 "load_points": [p.to_dict() for p in opts.points],
                 "temperatures": opts.temperatures,
+                "top_p": opts.top_p,
                 "requests": {p.label: opts.requests_for(p) for p in opts.points},
                 "max_new_tokens": opts.max_new_tokens,
                 "max_prompt_tokens": limit,
@@ -981,8 +998,8 @@ def build_target(opts: Options, loaded: Any, draft: Any = None) -> ServeTarget:
     if opts.url is not None:
         from specdecode.bench.http_target import HttpTarget
 
-        return HttpTarget(opts.url, opts.api_key)
-    return EngineTarget(loaded, opts.max_batch, draft, opts.prefix_cache_mb)
+        return HttpTarget(opts.url, opts.api_key, top_p=opts.top_p)
+    return EngineTarget(loaded, opts.max_batch, draft, opts.prefix_cache_mb, opts.top_p)
 
 
 def run_cell(

@@ -396,8 +396,15 @@ def _config_line(results: dict[str, Any]) -> str:
         f"load {', '.join(p['label'] for p in cfg['load_points'])} · requests per cell "
         f"{', '.join(f'{k}: {v}' for k, v in cfg['requests'].items())} · {cfg['max_new_tokens']} new tokens · "
         f"prompts up to {cfg['max_prompt_tokens']} tokens · temperatures "
-        f"{', '.join(f'{t:g}' for t in cfg['temperatures'])} · max batch {cfg['max_batch']} · seed {cfg['seed']}"
+        f"{', '.join(f'{t:g}' for t in cfg['temperatures'])}{_top_p_note(cfg)} · max batch {cfg['max_batch']} · "
+        f"seed {cfg['seed']}"
     )
+
+
+def _top_p_note(cfg: dict[str, Any]) -> str:
+    """The sampled cells' nucleus filtering, where on (results written before it was an option: off)."""
+    top_p = cfg.get("top_p", 1.0)
+    return "" if top_p >= 1.0 else f" (sampled with top-p {top_p:g})"
 
 
 NOTES = (
