@@ -143,14 +143,16 @@ def _block(
     """One method's block: its best cell ``best``, its per-category rows, its best tree cell."""
     config = results["config"]
     per_cat = [a for a in rows if a["cell"] == best["cell"] and a["category"] != "overall"]
-    regime = "greedy" if is_greedy(best["temperature"]) else f"sampled (T={best['temperature']:g})"
+    greedy = is_greedy(best["temperature"])
+    regime = "greedy" if greedy else f"sampled (T={best['temperature']:g})"
+    at = "" if greedy else " (each prompt at plain's output length)"
     block = {
         "speedup": round(best["speedup"], 3),
         "mean_accepted_length": round(best["mean_accepted_length"], 3),
         "ngram_speedup": None if ngram is None else round(ngram, 3),
         "settings": settings,
         "cell": best["method"],
-        "decoding": f"{regime} chain, native {config['dtype']}; speedup vs plain decoding measured side by "
+        "decoding": f"{regime} chain, native {config['dtype']}; speedup vs plain decoding{at} measured side by "
         "side in the same run",
         "per_category_speedup": {a["category"]: round(a["speedup"], 3) for a in per_cat},
         "per_category_mean_accepted_length": {a["category"]: round(a["mean_accepted_length"], 3) for a in per_cat},

@@ -74,6 +74,8 @@ def verify_sampling(draft: Draft, target_probs: torch.Tensor, generator: torch.G
     batch, k = draft.tokens.shape
     vocab = target_probs.shape[-1]
     p = target_probs.float()
+    if k == 0:  # a plain round: the target's own draw, without the residual's vocab-sized steps
+        return Verification(num_accepted=torch.zeros(batch, dtype=torch.long), next_token=sample(p[:, 0], generator))
     q = draft_probs_or_onehot(draft, vocab)  # [batch, k, vocab]
     idx = draft.tokens.unsqueeze(-1)
     p_x = p[:, :k].gather(-1, idx).squeeze(-1)  # [batch, k]
