@@ -340,6 +340,33 @@ def test_the_prefix_cache_size_is_an_option_and_enters_the_fingerprint():
         parse_options(["--out", "x", "--prefix-cache-mb", "-1"])
 
 
+def test_top_p_is_an_option_that_reaches_every_sampled_run_and_enters_the_fingerprint(models, tmp_path, monkeypatch):
+    """``--top-p`` filters the sampled cells (greedy ones ignore it); the results, the summary and
+    the fingerprint (a resumed run never mixes top-p settings) carry it."""
+    from specdecode.api import SpeculativeGenerator
+    from specdecode.bench.runner import fingerprint, parse_options
+
+    off, on = parse_options(["--out", "x"]), parse_options(["--out", "x", "--top-p", "0.5"])
+    assert (off.top_p, on.top_p) == (1.0, 0.5) and fingerprint(off, "t", None) != fingerprint(on, "t", None)
+    with pytest.raises(ConfigError, match="--top-p"):
+        parse_options(["--out", "x", "--top-p", "0"])
+    seen, generate = [], SpeculativeGenerator.generate
+
+    def spy(self, prompt, **kwargs):
+        seen.append((kwargs.get("temperature"), kwargs.get("top_p")))
+        return generate(self, prompt, **kwargs)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", spy)
+    workload = write_jsonl(tmp_path / "w.jsonl", WORKLOAD[1:])
+    argv = ["bench", "--workload", str(workload), "--out", str(tmp_path / "out"), "--target", str(models / "target")]
+    argv += ["--methods", "none,ngram", "--k", "2", "--temperatures", "0,0.8", "--top-p", "0.5"]
+    rc, stdout, stderr = run_cli([*argv, "--max-new-tokens", "4", "--no-hf"])
+    assert rc == 0, stderr
+    assert {top_p for t, top_p in seen if t == 0.8} == {0.5}
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["config"]["top_p"] == 0.5
+    assert "sampled with top-p 0.5" in (tmp_path / "out" / "summary.md").read_text()
+
+
 def test_methods_take_proposer_options_per_cell(models, tmp_path):
     """``METHOD:name=value`` builds that cell's proposer with the option, beside the same method
     with its defaults, under its own cell key (what a resumed run matches records by)."""

@@ -144,7 +144,9 @@ def _block(
     config = results["config"]
     per_cat = [a for a in rows if a["cell"] == best["cell"] and a["category"] != "overall"]
     greedy = is_greedy(best["temperature"])
-    regime = "greedy" if greedy else f"sampled (T={best['temperature']:g})"
+    top_p = config.get("top_p", 1.0)
+    nucleus = f", top-p {top_p:g}" if top_p < 1.0 else ""
+    regime = "greedy" if greedy else f"sampled (T={best['temperature']:g}{nucleus})"
     at = "" if greedy else " (each prompt at plain's output length)"
     block = {
         "speedup": round(best["speedup"], 3),

@@ -109,7 +109,7 @@ class LlamaServer:
         return 0.0
 
     def generate(
-        self, ids: list[int], max_new_tokens: int, temperature: float, seed: int
+        self, ids: list[int], max_new_tokens: int, temperature: float, seed: int, top_p: float = 1.0
     ) -> tuple[list[int], dict[str, Any]]:
         """One completion of prompt ``ids``: (new token ids, a stats record like the engine's)."""
         body = {
@@ -117,7 +117,7 @@ class LlamaServer:
             "n_predict": max_new_tokens,
             "temperature": temperature,
             "top_k": 0 if temperature > 0 else 1,
-            "top_p": 1.0,
+            "top_p": top_p,
             "min_p": 0.0,
             "typical_p": 1.0,
             "repeat_penalty": 1.0,

@@ -127,6 +127,12 @@ def aggregate(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def top_p_note(cfg: dict[str, Any]) -> str:
+    """The sampled cells' nucleus filtering, where on (runs before ``--top-p``: off)."""
+    top_p = cfg.get("top_p", 1.0)
+    return "" if top_p >= 1.0 else f" (sampled with top-p {top_p:g})"
+
+
 SAMPLED_SPEEDUP = (
     "at T > 0, where samples end at different lengths, plain's time over the cell's time to make plain's "
     "number of tokens on each prompt (its own first-token time plus its own time per later token)."
@@ -420,7 +426,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
         f"- target: `{cfg['target']}` ({cfg['backend']}, {cfg['dtype']})"
         + (f"; draft: `{cfg['draft']}`" if cfg["draft"] else ""),
         f"- workload: `{cfg['workload']}`; {len(results['prompts'])} prompts; max new tokens {cfg['max_new_tokens']}; "
-        f"temperatures {', '.join(f'{t:g}' for t in cfg['temperatures'])}; seed {cfg['seed']}",
+        f"temperatures {', '.join(f'{t:g}' for t in cfg['temperatures'])}{top_p_note(cfg)}; seed {cfg['seed']}",
         f"- machine: {machine['cpu']} ({machine['cpu_count']} CPUs, torch {machine['torch']} with "
         f"{machine['torch_threads']} threads), Python {machine['python']}, {machine['platform']}",
         "",

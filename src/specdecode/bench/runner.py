@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"threshold of the {CONF_SUFFIX} methods ({', '.join(CONFIDENCE_METHODS)}{CONF_SUFFIX})",
     )
     p.add_argument("--temperatures", default=None, help="comma list; 0 = greedy (default 0)")
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus filtering of the sampled cells, every engine (default 1: off)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=None, help=f"default {DEFAULTS['max_new_tokens']}")
     p.add_argument(
         "--prompts-per-category", type=int, default=None, help=f"0 = all (default {DEFAULTS['prompts_per_category']})"
@@ -185,6 +188,7 @@ class Options:
     llama_server: str | None = None  # --llama-server: the binary, found and checked
     prefix_cache_mb: int = 0  # --prefix-cache-mb (0: off)
     turns: int = 1  # --turns: user turns of multi-turn prompts run
+    top_p: float = 1.0  # --top-p: nucleus filtering of the sampled cells (1: off)
 
 
 def parse_options(argv: list[str]) -> Options:
@@ -205,6 +209,8 @@ def parse_options(argv: list[str]) -> Options:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if per_cat < 0:
         raise ConfigError(f"--prompts-per-category must be >= 0, got {per_cat}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.turns < 1:
         raise ConfigError(f"--turns must be >= 1, got {args.turns}")
     if args.prefix_cache_mb < 0:
@@ -233,6 +239,7 @@ def parse_options(argv: list[str]) -> Options:
         llama_server=str(find_binary(args.llama_server)) if args.llama_server else None,
         prefix_cache_mb=args.prefix_cache_mb,
         turns=args.turns,
+        top_p=args.top_p,
     )
 
 
@@ -394,7 +401,13 @@ class _FirstTokenTimer:
 
 
 def hf_generate(
-    model: Any, ids: list[int], max_new_tokens: int, temperature: float, seed: int, eos_ids: tuple[int, ...]
+    model: Any,
+    ids: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos_ids: tuple[int, ...],
+    top_p: float = 1.0,
 ) -> tuple[list[int], dict[str, Any]]:
     """transformers ``generate`` on the same prompt ids; a stats record like the engine's."""
     import torch
@@ -410,7 +423,7 @@ def hf_generate(
         "do_sample": temperature > 0,
     }
     if temperature > 0:
-        options.update(temperature=temperature, top_k=0, top_p=1.0)
+        options.update(temperature=temperature, top_k=0, top_p=top_p)
     config = HFGenerationConfig(**options)
     torch.manual_seed(seed)
     timer = _FirstTokenTimer()
@@ -453,6 +466,8 @@ def fingerprint(
         spec["hybrid_drafter"] = hybrid_drafter
     if opts.draft_vocab is not None:
         spec["draft_vocab"] = opts.draft_vocab
+    if opts.top_p < 1.0:  # results stored before --top-p ran without it
+        spec["top_p"] = opts.top_p
     if opts.prefix_cache_mb:  # results stored before prefix caching ran without it
         spec["prefix_cache_mb"] = opts.prefix_cache_mb
     if any(parse_method(m).conf for m in opts.methods):
@@ -609,7 +624,7 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
     todo = [(it, c) for it in items for c in cells if record_key(c, it) not in done]
     resumed = len(items) * len(cells) - len(todo)
     if todo:  # one short untimed run per cell: first-call costs stay out of the timings
-        _warm_up(cells, prompts[items[0].id]["ids"][:16], gens, hf_model, target, llamas)
+        _warm_up(cells, prompts[items[0].id]["ids"][:16], gens, hf_model, target, llamas, opts.top_p)
     with (
         open(store_path, "a", encoding="utf-8") as store,
         tqdm(total=len(todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar,
@@ -653,6 +668,7 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
             "methods": opts.methods,
             "k": opts.ks,
             "temperatures": opts.temperatures,
+            "top_p": opts.top_p,
             "max_new_tokens": opts.max_new_tokens,
             "prompts_per_category": opts.prompts_per_category,
             "seed": opts.seed,
@@ -699,14 +715,16 @@ def _prompt_entry(ids: list[int], budget: int, messages: list[dict[str, str]]) -
     }
 
 
-def _warm_up(cells: list[Cell], ids: list[int], gens: dict, hf_model: Any, target: Any, llamas: dict) -> None:
+def _warm_up(
+    cells: list[Cell], ids: list[int], gens: dict, hf_model: Any, target: Any, llamas: dict, top_p: float
+) -> None:
     for cell in cells:
         if cell.method == "hf":
-            hf_generate(hf_model, ids, 4, cell.temperature, 0, target.eos_token_ids)
+            hf_generate(hf_model, ids, 4, cell.temperature, 0, target.eos_token_ids, top_p)
         elif cell.llama:
-            llamas[cell.method].generate(ids, 4, cell.temperature, 0)
+            llamas[cell.method].generate(ids, 4, cell.temperature, 0, top_p)
         else:
-            gens[cell].generate(ids, max_new_tokens=4, temperature=cell.temperature, seed=0)
+            gens[cell].generate(ids, max_new_tokens=4, temperature=cell.temperature, top_p=top_p, seed=0)
 
 
 def _later_turns(item: WorkItem, turns: int) -> list[WorkItem]:
@@ -765,16 +783,18 @@ def _run_one(
     seed = prompt_seed(opts.seed, item)
     if cell.method == "hf":
         token_ids, stats = hf_generate(
-            hf_model, prompt["ids"], opts.max_new_tokens, cell.temperature, seed, target.eos_token_ids
+            hf_model, prompt["ids"], opts.max_new_tokens, cell.temperature, seed, target.eos_token_ids, opts.top_p
         )
         finish = None
     elif cell.llama:
-        token_ids, stats = llamas[cell.method].generate(prompt["ids"], opts.max_new_tokens, cell.temperature, seed)
+        token_ids, stats = llamas[cell.method].generate(
+            prompt["ids"], opts.max_new_tokens, cell.temperature, seed, opts.top_p
+        )
         stats.update(method=cell.method, k=cell.k)
         finish = None
     else:
         out = gens[cell].generate(
-            prompt["ids"], max_new_tokens=opts.max_new_tokens, temperature=cell.temperature, seed=seed
+            prompt["ids"], max_new_tokens=opts.max_new_tokens, temperature=cell.temperature, top_p=opts.top_p, seed=seed
         )
         token_ids, stats, finish = list(out.token_ids), dict(out.stats), out.finish_reason
     return {

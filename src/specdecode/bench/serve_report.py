@@ -12,7 +12,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from specdecode.bench.report import CSS, _html_table, _md_table, _pct, _round, sources_text, sum_sources, write_files
+from specdecode.bench.report import (
+    CSS,
+    _html_table,
+    _md_table,
+    _pct,
+    _round,
+    sources_text,
+    sum_sources,
+    top_p_note,
+    write_files,
+)
 
 if TYPE_CHECKING:
     from specdecode.bench.serve import Arm, LoadPoint, LoadRun
@@ -396,15 +406,9 @@ def _config_line(results: dict[str, Any]) -> str:
         f"load {', '.join(p['label'] for p in cfg['load_points'])} · requests per cell "
         f"{', '.join(f'{k}: {v}' for k, v in cfg['requests'].items())} · {cfg['max_new_tokens']} new tokens · "
         f"prompts up to {cfg['max_prompt_tokens']} tokens · temperatures "
-        f"{', '.join(f'{t:g}' for t in cfg['temperatures'])}{_top_p_note(cfg)} · max batch {cfg['max_batch']} · "
+        f"{', '.join(f'{t:g}' for t in cfg['temperatures'])}{top_p_note(cfg)} · max batch {cfg['max_batch']} · "
         f"seed {cfg['seed']}"
     )
-
-
-def _top_p_note(cfg: dict[str, Any]) -> str:
-    """The sampled cells' nucleus filtering, where on (results written before it was an option: off)."""
-    top_p = cfg.get("top_p", 1.0)
-    return "" if top_p >= 1.0 else f" (sampled with top-p {top_p:g})"
 
 
 NOTES = (
