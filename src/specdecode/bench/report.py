@@ -17,6 +17,7 @@ from specdecode.core.cost_model import (
     speedup_bound,
     tokens_per_call_needed,
 )
+from specdecode.core.sampling import is_greedy
 
 OVERALL = "overall"
 # Cells measured beside ours on the same prompts, for reference: never ranked as our best,
@@ -252,7 +253,7 @@ def _row(
         if c_time > 0 and p_time > 0 and p_tok > 0:
             row["speedup"] = (c_tok / c_time) / (p_tok / p_time)
             row["time_speedup"] = p_time / c_time
-            if cell["temperature"] > 0:  # samples end at different lengths: compare at plain's
+            if not is_greedy(cell["temperature"]):  # samples end at different lengths: compare at plain's
                 row["speedup"] = p_time / sum(_at_length(r, b["stats"]["new_tokens"]) for r, b in zip(common, base))
     row["predicted_speedup"] = row["predicted_tokens_per_s"] = None
     if timed and common and curve:
