@@ -78,20 +78,25 @@ def top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
     vocab = x.shape[-1]
     rows = x.reshape(-1, vocab)  # [rows, vocab]
     probs = torch.softmax(rows, dim=-1)  # [rows, vocab]
-    out = torch.empty_like(rows)
-    todo = torch.arange(rows.shape[0])
-    for n in NUCLEUS_CANDIDATES:
-        if n >= vocab:
-            break
-        top, order = torch.topk(probs[todo], n, dim=-1)  # [todo, n], descending
-        p = top.double()
-        held = torch.cumsum(p, dim=-1)
-        out[todo] = _keep_only(rows[todo], order, _reached(held - p, top_p))
-        todo = todo[held[:, -1] < top_p]  # the nucleus may reach past these candidates
+    out, wide = _nucleus_within(rows, probs, NUCLEUS_CANDIDATES[0], top_p)  # every row, no gathered copy
+    for n in NUCLEUS_CANDIDATES[1:] + (vocab,):
+        todo = wide.nonzero().squeeze(-1)  # rows whose nucleus may reach past the last candidates
         if not todo.numel():
-            return out.view(x.shape)
-    out[todo] = top_p_filter_sorted(rows[todo], top_p)
+            break
+        out[todo], still = _nucleus_within(rows[todo], probs[todo], n, top_p)
+        wide = torch.zeros_like(wide).index_fill_(0, todo[still], True)
     return out.view(x.shape)
+
+
+def _nucleus_within(rows: torch.Tensor, probs: torch.Tensor, n: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_p_filter` over each row's top ``n`` tokens ([rows, vocab] each), and which rows
+    those hold less than ``top_p`` of (their nucleus may be wider; never with ``n`` = vocab)."""
+    if n >= rows.shape[-1]:
+        return top_p_filter_sorted(rows, top_p), torch.zeros(rows.shape[0], dtype=torch.bool)
+    top, order = torch.topk(probs, n, dim=-1)  # [rows, n], descending
+    p = top.double()
+    held = torch.cumsum(p, dim=-1)
+    return _keep_only(rows, order, _reached(held - p, top_p)), held[:, -1] < top_p
 
 
 def top_p_filter_sorted(x: torch.Tensor, top_p: float) -> torch.Tensor:
