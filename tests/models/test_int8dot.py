@@ -131,7 +131,7 @@ def _python_attention(qkv, cos, sin, keys, values, start, mask, hq, hkv):
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(12, 2, 128), (9, 3, 64), (6, 2, 80), (4, 4, 16)])
-@pytest.mark.parametrize(("start", "n"), [(0, 7), (37, 1), (200, 5)])
+@pytest.mark.parametrize(("start", "n"), [(0, 7), (37, 1), (200, 5), (3, 37)])
 def test_attention_matches_sdpa_and_rows_are_independent(hq, hkv, d, start, n):
     from specdecode.models.rope import cos_sin
 
@@ -178,6 +178,36 @@ def test_attention_follows_a_tree_mask():
     want = _python_attention(qkv, cos, sin, ref_cache[0], ref_cache[1], start, mask, hq, hkv)
     got = int8dot.attend_rows(qkv, cos, sin, cache[0], cache[1], start, mask, hq, hkv)
     assert _rel(got, want) < RTOL
+
+
+def test_masked_rows_over_several_row_blocks_are_each_what_they_give_alone():
+    """A call's rows are split into blocks that pass over the cache together; with a mask (a
+    tree of drafts) each row still gives bitwise what it gives alone over the positions it sees."""
+    from specdecode.models.rope import cos_sin
+
+    hq, hkv, d, start, n = 6, 2, 32, 50, 40
+    g = _gen(12)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)
+    cache = torch.randn(2, hkv, 128, d, generator=g)
+    cos, sin = cos_sin(torch.rand(d // 2), torch.arange(start, start + n), torch.float32)
+    mask = torch.rand(n, start + n, generator=g) < 0.6
+    mask[:, start:] &= torch.ones(n, n, dtype=torch.bool).tril()  # a row sees no later row
+    mask[:, start:] |= torch.eye(n, dtype=torch.bool)  # and always itself
+    got = int8dot.attend_rows(qkv, cos, sin, cache[0], cache[1], start, mask, hq, hkv)
+    assert _rel(got, _python_attention(qkv, cos, sin, cache[0].clone(), cache[1].clone(), start, mask, hq, hkv)) < RTOL
+    for i in (0, 15, 16, 17, 39):
+        one = int8dot.attend_rows(
+            qkv[i : i + 1].contiguous(),
+            cos[i : i + 1].contiguous(),
+            sin[i : i + 1].contiguous(),
+            cache[0].clone(),
+            cache[1].clone(),
+            start + i,
+            mask[i : i + 1, : start + i + 1].contiguous(),
+            hq,
+            hkv,
+        )
+        assert torch.equal(one[0], got[i])
 
 
 def test_attention_refuses_a_full_cache():

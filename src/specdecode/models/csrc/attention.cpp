@@ -6,9 +6,10 @@
 // of the call (the same instructions in the same order), so a k-token verify is bitwise a
 // sequence of 1-token decodes, without the per-row SDPA calls that cost ~60 us each. Sums keep that
 // order but run several at once (four keys' dots, eight chunks of the output), since one FMA chain
-// at a time left the kernel waiting on FMA latency; the heads sharing a KV head pass over it a tile
-// of keys at a time, so the cache is read from memory once per row rather than once per head, and
-// two heads at a time share each key's and value's loads (scores2, mix2).
+// at a time left the kernel waiting on FMA latency; the rows of a call and the heads sharing a KV
+// head pass over it a tile of keys at a time, so the cache is read from memory once per block of
+// rows rather than once per row and head, and two heads at a time share each key's and value's
+// loads (scores2, mix2).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -25,6 +26,10 @@ namespace {
 // L2, which bounded the kernel: 16 took 0.76-0.86x its time on a Zen 4 (contexts 100-1000, 1-8
 // rows; BENCHMARKS.md). The sums are the same either way: each still runs over the keys in order.
 constexpr int64_t TILE = 16;
+
+// rows a unit takes at most (a verify's k + 1 fits one unit; a prompt chunk is split into blocks
+// of near-equal size so the threads get even shares). 8 and 16 measured the same on a Zen 4.
+constexpr int64_t ROW_BLOCK = 16;
 
 // 2^f for f in [-0.5, 0.5]: degree-6 polynomial, highest power first (relative error ~2e-7)
 constexpr float EXP2_POLY[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
@@ -335,50 +340,89 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
     }
   }
   auto out = torch::empty({n, hq * d}, torch::kFloat32);
+  if (n == 0) return out;
   float* y = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t group = hq / hkv;
-  // A unit is one row and the query heads of one KV head (half of them when there are too few
-  // units to keep every thread busy): its heads pass over the keys and values a tile at a time,
-  // so a tile is read from memory once and from cache by the other heads.
-  const int64_t split = (n * hkv >= 2 * at::get_num_threads() || group == 1) ? 1 : 2;
+  // A unit is a block of rows and the query heads of one KV head (a share of those heads only
+  // when there are fewer units than threads). It passes over the keys, then the values, a tile of
+  // positions at a time, and every row and head of the unit works on a tile while it sits in L1,
+  // so one layer's cache is read from memory once per unit. (A unit per row, or per half of a
+  // KV head's heads, read it once per row or per half: 1.2-1.5x the time on a Zen 4 with the
+  // cache out of L2, as in a real forward; BENCHMARKS.md.) Each row's sums are unchanged: every
+  // dot is its own chain, the max is exact and each output element still sums over the row's
+  // positions in order, so where the tiles fall cannot change a row's result.
+  const int64_t blocks = (n + ROW_BLOCK - 1) / ROW_BLOCK, each = (n + blocks - 1) / blocks;
+  const int64_t units = blocks * hkv, threads = at::get_num_threads();
+  const int64_t split = std::min(group, std::max<int64_t>(1, (threads + units - 1) / units));
   const int64_t per = (group + split - 1) / split;
   const int64_t stride = end + 16;  // between two heads' scores
-  at::parallel_for(0, n * hkv * split, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> score(per * stride);
-    std::vector<int64_t> seen(end);
-    std::vector<float> top(per), inv(per);
+  at::parallel_for(0, units * split, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> score(each * per * stride), top(each * per), inv(each * per);
+    std::vector<int64_t> positions(end), seen(masked ? each * end : 0), m(each), cur(each);
+    for (int64_t p = 0; p < end; ++p) positions[p] = p;
+    std::vector<const int64_t*> row_seen(each);
     for (int64_t u = lo; u < hi; ++u) {
-      const int64_t i = u / (hkv * split), g = u / split % hkv;
+      const int64_t i0 = u / (hkv * split) * each, rows = std::min(n - i0, each), g = u / split % hkv;
       const int64_t h0 = g * group + u % split * per, hn = std::min(per, (g + 1) * group - h0);
       const float* kg = kc + g * cap * d;
       const float* vg = vc + g * cap * d;
-      float* o = y + (i * hq + h0) * d;
-      int64_t m = 0;  // the positions row i sees, in order
-      for (int64_t p = 0; p < end; ++p)
-        if (masked ? allowed[i * end + p] : p <= start + i) seen[m++] = p;
+      for (int64_t r = 0; r < rows; ++r) {  // the positions row i0 + r sees, in order
+        const int64_t i = i0 + r;
+        if (!masked) {
+          m[r] = start + i + 1, row_seen[r] = positions.data();
+          continue;
+        }
+        int64_t* s = seen.data() + r * end;
+        m[r] = 0;
+        for (int64_t p = 0; p < end; ++p)
+          if (allowed[i * end + p]) s[m[r]++] = p;
+        row_seen[r] = s;
+      }
+      // row r's next run of seen positions below p1: [cur[r], returned)
+      auto next = [&](int64_t r, int64_t p1) {
+        int64_t t = cur[r];
+        while (t < m[r] && row_seen[r][t] < p1) ++t;
+        return t;
+      };
       std::fill(top.begin(), top.end(), -INFINITY);
-      const float* qh = qr + (i * hq + h0) * d;
-      for (int64_t t0 = 0; t0 < m; t0 += TILE) {
-        const int64_t t1 = std::min(m, t0 + TILE);
-        int64_t h = 0;
-        for (; h + 2 <= hn; h += 2)
-          scores2(qh + h * d, qh + (h + 1) * d, kg, seen.data(), t0, t1, d, scale, top.data() + h,
-                  score.data() + h * stride, score.data() + (h + 1) * stride);
-        for (; h < hn; ++h) top[h] = scores(qh + h * d, kg, seen.data(), t0, t1, d, scale, top[h], score.data() + h * stride);
+      std::fill(cur.begin(), cur.end(), 0);
+      for (int64_t p0 = 0; p0 < end; p0 += TILE) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t t0 = cur[r], t1 = cur[r] = next(r, p0 + TILE);
+          if (t0 == t1) continue;
+          const float* qh = qr + ((i0 + r) * hq + h0) * d;
+          float* sr = score.data() + r * per * stride;
+          float* tr = top.data() + r * per;
+          int64_t h = 0;
+          for (; h + 2 <= hn; h += 2)
+            scores2(qh + h * d, qh + (h + 1) * d, kg, row_seen[r], t0, t1, d, scale, tr + h, sr + h * stride,
+                    sr + (h + 1) * stride);
+          for (; h < hn; ++h) tr[h] = scores(qh + h * d, kg, row_seen[r], t0, t1, d, scale, tr[h], sr + h * stride);
+        }
       }
-      for (int64_t h = 0; h < hn; ++h) inv[h] = 1.0f / exp_sum(score.data() + h * stride, m, top[h]);
-      std::fill(o, o + hn * d, 0.0f);
-      for (int64_t t0 = 0; t0 < m; t0 += TILE) {
-        const int64_t t1 = std::min(m, t0 + TILE);
-        int64_t h = 0;
-        for (; h + 2 <= hn; h += 2)
-          mix2(score.data() + h * stride, score.data() + (h + 1) * stride, seen.data(), t0, t1, vg, d, o + h * d,
-               o + (h + 1) * d);
-        for (; h < hn; ++h) mix(score.data() + h * stride, seen.data(), t0, t1, vg, d, o + h * d);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t h = 0; h < hn; ++h)
+          inv[r * per + h] = 1.0f / exp_sum(score.data() + (r * per + h) * stride, m[r], top[r * per + h]);
+        std::fill(y + ((i0 + r) * hq + h0) * d, y + ((i0 + r) * hq + h0 + hn) * d, 0.0f);
       }
-      for (int64_t h = 0; h < hn; ++h)
-        for (int64_t j = 0; j < d; ++j) o[h * d + j] *= inv[h];
+      std::fill(cur.begin(), cur.end(), 0);
+      for (int64_t p0 = 0; p0 < end; p0 += TILE) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t t0 = cur[r], t1 = cur[r] = next(r, p0 + TILE);
+          if (t0 == t1) continue;
+          const float* sr = score.data() + r * per * stride;
+          float* o = y + ((i0 + r) * hq + h0) * d;
+          int64_t h = 0;
+          for (; h + 2 <= hn; h += 2)
+            mix2(sr + h * stride, sr + (h + 1) * stride, row_seen[r], t0, t1, vg, d, o + h * d, o + (h + 1) * d);
+          for (; h < hn; ++h) mix(sr + h * stride, row_seen[r], t0, t1, vg, d, o + h * d);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* o = y + ((i0 + r) * hq + h0) * d;
+        for (int64_t j = 0; j < hn * d; ++j) o[j] *= inv[r * per + j / d];
+      }
     }
   });
   return out;
