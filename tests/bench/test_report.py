@@ -44,3 +44,16 @@ def test_a_greedy_cell_keeps_tokens_per_second_and_equal_lengths_agree():
 def test_a_one_token_sample_keeps_its_own_time():
     runs = {"none": [("p", 20, 1.0, 1.95)], "suffix": [("p", 1, 0.9, 0.9)]}
     assert _overall(_results(0.7, runs), "suffix")["speedup"] == pytest.approx(1.95 / 0.9)
+
+
+def test_a_sampled_cells_prediction_is_also_at_plains_output_length(monkeypatch):
+    """The cost model's decode rates (here 50 and 20 tokens/s) with each run's prompt time: at
+    plain's 20 tokens the method takes 1 + 20 / 50 s against plain's 1 + 20 / 20 s, whatever the
+    length of its own sample (112 tokens would credit its prompt time over more tokens)."""
+    monkeypatch.setattr(report, "_predicted_rate", lambda recs, curve, k: 20.0 if k == 0 else 50.0)
+    runs = {"none": [("p", 20, 1.0, 1.95)], "suffix": [("p", 112, 1.0, 1.0 + 111 * 0.04)]}
+    results = _results(0.7, runs)
+    results["cost_curve"]["forward_s"] = {"1": 0.05}
+    for rec in results["records"]:
+        rec["stats"].update(prefill_s=1.0, draft_s=0.0, verify_s=rec["stats"]["total_s"] - 1.0, overhead_s=0.0)
+    assert _overall(results, "suffix")["predicted_speedup"] == pytest.approx((1.0 + 20 / 20) / (1.0 + 20 / 50))

@@ -261,9 +261,11 @@ def _row(
         pred_plain = _predicted_rate(base, curve, 0)
         if pred and pred_plain:
             row["predicted_tokens_per_s"] = pred
-            c_time = _sum(common, "prefill_s") + _sum(common, "new_tokens") / pred
-            p_time = _sum(base, "prefill_s") + _sum(base, "new_tokens") / pred_plain
-            row["predicted_speedup"] = (_sum(common, "new_tokens") / c_time) / (_sum(base, "new_tokens") / p_time)
+            # at plain's number of tokens, as the measured figure (greedy lengths are equal anyway)
+            p_tok = _sum(base, "new_tokens")
+            c_time = _sum(common, "prefill_s") + p_tok / pred
+            p_time = _sum(base, "prefill_s") + p_tok / pred_plain
+            row["predicted_speedup"] = p_time / c_time
     if cell["temperature"] == 0 and cell["method"] != "none" and common:
         row["greedy_match"] = _div(
             sum(r["token_ids"] == plain[r["prompt_id"]]["token_ids"] for r in common), len(common)
