@@ -28,6 +28,7 @@ from specdecode.bench.llama_cpp import DEFAULT_K, find_binary
 from specdecode.bench.report import cell_label, ours_speculative, reference_stats
 from specdecode.bench.workload import HUMANEVAL, WorkItem, default_workload_path, groups_in_order, load_workload, select
 from specdecode.core.dtypes import DRAFT_DTYPE_HELP, DTYPE_CHOICES, DTYPE_HELP, draft_default
+from specdecode.core.sampling import check_top_p
 from specdecode.engine.scheduler import EngineConfig
 from specdecode.errors import ConfigError, InputError
 from specdecode.methods import CONFIDENCE_METHODS, METHODS, method_spec, parse_option
@@ -209,8 +210,7 @@ def parse_options(argv: list[str]) -> Options:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if per_cat < 0:
         raise ConfigError(f"--prompts-per-category must be >= 0, got {per_cat}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    check_top_p(args.top_p, "--top-p")
     if args.turns < 1:
         raise ConfigError(f"--turns must be >= 1, got {args.turns}")
     if args.prefix_cache_mb < 0:
@@ -611,7 +611,7 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
 
     longest = max(p["tokens"] if not p["truncated"] else budget for p in prompts.values())
     context = longest + opts.max_new_tokens + 16 if opts.turns == 1 else int(target.model.max_length)
-    llamas = _llama_servers(opts, cells, target, context, servers)
+    engines = _Engines(gens, hf_model, _llama_servers(opts, cells, target, context, servers), target)
     console.print(f"measuring the target's forward cost c(n), n = 1..{kmax + 1}, after {COST_CONTEXT} cached tokens")
     cost_curve = measure_cost_curve(target.model, kmax + 1)
 
@@ -624,7 +624,7 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
     todo = [(it, c) for it in items for c in cells if record_key(c, it) not in done]
     resumed = len(items) * len(cells) - len(todo)
     if todo:  # one short untimed run per cell: first-call costs stay out of the timings
-        _warm_up(cells, prompts[items[0].id]["ids"][:16], gens, hf_model, target, llamas, opts.top_p)
+        _warm_up(cells, prompts[items[0].id]["ids"][:16], engines, opts.top_p)
     with (
         open(store_path, "a", encoding="utf-8") as store,
         tqdm(total=len(todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar,
@@ -640,7 +640,7 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
                     bar.set_postfix_str(
                         f"{item.group}/{item.id} {cell.label(len(opts.temperatures) > 1)}", refresh=False
                     )
-                    rec = _run_one(cell, item, prompts[item.id], opts, gens, hf_model, target, llamas)
+                    rec = _run_one(cell, item, prompts[item.id], opts, engines)
                     rec.update(key=record_key(cell, item), fingerprint=fp)
                     store.write(json.dumps(rec) + "\n")
                     store.flush()
@@ -676,7 +676,7 @@ def _run_bench(opts: Options, items: list[WorkItem], argv: list[str], servers: c
             "quick": opts.quick,
             "confidence": opts.confidence,
             "hybrid_drafter": hybrid,
-            "llama_server": {kind: " ".join(server.command) for kind, server in llamas.items()} or None,
+            "llama_server": {kind: " ".join(server.command) for kind, server in engines.llamas.items()} or None,
             "fingerprint": fp,
         },
         "cost_curve": {"context_tokens": COST_CONTEXT, "forward_s": {str(n): s for n, s in cost_curve.items()}},
@@ -715,16 +715,36 @@ def _prompt_entry(ids: list[int], budget: int, messages: list[dict[str, str]]) -
     }
 
 
-def _warm_up(
-    cells: list[Cell], ids: list[int], gens: dict, hf_model: Any, target: Any, llamas: dict, top_p: float
-) -> None:
-    for cell in cells:
+@dataclass(frozen=True)
+class _Engines:
+    """What runs a cell: our generators (one per cell), the transformers model, the started
+    llama-servers, and the target (its end-of-sequence ids for transformers)."""
+
+    gens: dict
+    hf_model: Any
+    llamas: dict
+    target: Any
+
+    def generate(
+        self, cell: Cell, ids: list[int], max_new_tokens: int, seed: int, top_p: float
+    ) -> tuple[list[int], dict[str, Any], str | None]:
+        """``cell``'s continuation of ``ids``: token ids, stats, finish reason (None where unknown)."""
         if cell.method == "hf":
-            hf_generate(hf_model, ids, 4, cell.temperature, 0, target.eos_token_ids, top_p)
-        elif cell.llama:
-            llamas[cell.method].generate(ids, 4, cell.temperature, 0, top_p)
-        else:
-            gens[cell].generate(ids, max_new_tokens=4, temperature=cell.temperature, top_p=top_p, seed=0)
+            eos = self.target.eos_token_ids
+            token_ids, stats = hf_generate(self.hf_model, ids, max_new_tokens, cell.temperature, seed, eos, top_p)
+            return token_ids, stats, None
+        if cell.llama:
+            token_ids, stats = self.llamas[cell.method].generate(ids, max_new_tokens, cell.temperature, seed, top_p)
+            return token_ids, {**stats, "method": cell.method, "k": cell.k}, None
+        out = self.gens[cell].generate(
+            ids, max_new_tokens=max_new_tokens, temperature=cell.temperature, top_p=top_p, seed=seed
+        )
+        return list(out.token_ids), dict(out.stats), out.finish_reason
+
+
+def _warm_up(cells: list[Cell], ids: list[int], engines: _Engines, top_p: float) -> None:
+    for cell in cells:
+        engines.generate(cell, ids, 4, 0, top_p)
 
 
 def _later_turns(item: WorkItem, turns: int) -> list[WorkItem]:
@@ -770,33 +790,9 @@ def _hf_model(target: Any, dtype: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES.get(dtype, torch.float32)).eval()
 
 
-def _run_one(
-    cell: Cell,
-    item: WorkItem,
-    prompt: dict[str, Any],
-    opts: Options,
-    gens: dict,
-    hf_model: Any,
-    target: Any,
-    llamas: dict[str, Any],
-) -> dict[str, Any]:
+def _run_one(cell: Cell, item: WorkItem, prompt: dict[str, Any], opts: Options, engines: _Engines) -> dict[str, Any]:
     seed = prompt_seed(opts.seed, item)
-    if cell.method == "hf":
-        token_ids, stats = hf_generate(
-            hf_model, prompt["ids"], opts.max_new_tokens, cell.temperature, seed, target.eos_token_ids, opts.top_p
-        )
-        finish = None
-    elif cell.llama:
-        token_ids, stats = llamas[cell.method].generate(
-            prompt["ids"], opts.max_new_tokens, cell.temperature, seed, opts.top_p
-        )
-        stats.update(method=cell.method, k=cell.k)
-        finish = None
-    else:
-        out = gens[cell].generate(
-            prompt["ids"], max_new_tokens=opts.max_new_tokens, temperature=cell.temperature, top_p=opts.top_p, seed=seed
-        )
-        token_ids, stats, finish = list(out.token_ids), dict(out.stats), out.finish_reason
+    token_ids, stats, finish = engines.generate(cell, prompt["ids"], opts.max_new_tokens, seed, opts.top_p)
     return {
         **cell.to_dict(),
         "cell": cell.key,

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 from specdecode.bench.workload import WorkItem, default_workload_path, load_workload
 from specdecode.core.dtypes import DTYPE_CHOICES, DTYPE_HELP
-from specdecode.core.sampling import is_greedy
+from specdecode.core.sampling import check_top_p, is_greedy
 from specdecode.engine.policy import BatchTableK
 from specdecode.engine.scheduler import EngineConfig
 from specdecode.errors import ConfigError, InputError
@@ -243,10 +243,7 @@ class Options:
 
 
 def _top_p(text: str) -> float:
-    value = _float(text, "--top-p", positive=True)
-    if value > 1.0:
-        raise ConfigError(f"--top-p: must be in (0, 1], got {text}")
-    return value
+    return check_top_p(_float(text, "--top-p", positive=True), "--top-p")
 
 
 def _split(text: str, what: str) -> list[str]:

@@ -17,6 +17,14 @@ def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_BELOW
 
 
+def check_top_p(value: float, name: str = "top_p") -> float:
+    """``value`` if it is a nucleus mass in (0, 1] (1: off), else a ConfigError naming ``name``
+    (the field, or the command-line flag that set it)."""
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{name} must be in (0, 1], got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Sampling settings, named as in transformers' ``generate``; temperature 0 means greedy."""
@@ -31,8 +39,7 @@ class SamplingConfig:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_top_p(self.top_p)
         if not 0.0 <= self.min_p < 1.0:
             raise ConfigError(f"min_p must be in [0, 1), got {self.min_p}")
 
