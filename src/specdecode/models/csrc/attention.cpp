@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,9 +28,13 @@ namespace {
 // rows; BENCHMARKS.md). The sums are the same either way: each still runs over the keys in order.
 constexpr int64_t TILE = 16;
 
-// rows a unit takes at most (a verify's k + 1 fits one unit; a prompt chunk is split into blocks
-// of near-equal size so the threads get even shares). 8 and 16 measured the same on a Zen 4.
-constexpr int64_t ROW_BLOCK = 16;
+// rows a unit takes at most, and the most its rows' scores may take: their scores stay in L2
+// while the unit mixes the values. A call's rows are split into blocks of near-equal size (even
+// shares for the threads). Measured on a Zen 4 against one row a unit: 16 rows, or no bound on
+// the scores, made prompt chunks 5-15% slower and 9 rows of a 0.5B over 2,000 positions 1.5x
+// slower; 8 rows within 256 KB kept those within ~10% and the 1.5B's verifies 0.66-0.95x.
+constexpr int64_t ROW_BLOCK = 8;
+constexpr int64_t SCORE_BYTES = 256 * 1024;
 
 // 2^f for f in [-0.5, 0.5]: degree-6 polynomial, highest power first (relative error ~2e-7)
 constexpr float EXP2_POLY[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
@@ -352,11 +357,12 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
   // cache out of L2, as in a real forward; BENCHMARKS.md.) Each row's sums are unchanged: every
   // dot is its own chain, the max is exact and each output element still sums over the row's
   // positions in order, so where the tiles fall cannot change a row's result.
-  const int64_t blocks = (n + ROW_BLOCK - 1) / ROW_BLOCK, each = (n + blocks - 1) / blocks;
+  const int64_t stride = end + 16;  // between two heads' scores
+  const int64_t fit = std::clamp<int64_t>(SCORE_BYTES / (group * stride * static_cast<int64_t>(sizeof(float))), 1, ROW_BLOCK);
+  const int64_t blocks = (n + fit - 1) / fit, each = (n + blocks - 1) / blocks;
   const int64_t units = blocks * hkv, threads = at::get_num_threads();
   const int64_t split = std::min(group, std::max<int64_t>(1, (threads + units - 1) / units));
   const int64_t per = (group + split - 1) / split;
-  const int64_t stride = end + 16;  // between two heads' scores
   at::parallel_for(0, units * split, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> score(each * per * stride), top(each * per), inv(each * per);
     std::vector<int64_t> positions(end), seen(masked ? each * end : 0), m(each), cur(each);
