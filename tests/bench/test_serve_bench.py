@@ -23,7 +23,14 @@ from specdecode.bench.serve import (
     poisson_arrivals,
     sample_items,
 )
-from specdecode.bench.serve_report import distribution, evaluate_targets, merge_repeats, percentile
+from specdecode.bench.serve_report import (
+    TARGETS,
+    _target_lines,
+    distribution,
+    evaluate_targets,
+    merge_repeats,
+    percentile,
+)
 from specdecode.bench.workload import WorkItem
 from specdecode.engine import Decoder, Engine, GenerationConfig, Speculation
 from specdecode.errors import ConfigError
@@ -292,6 +299,10 @@ def test_targets_are_computed_not_assumed():
     assert [x["rival"] for x in checks] == ["best", "none"] and [x["met"] for x in checks] == [True, True]
     assert t["auto_ge_plain_at_c_ge_16"]["met"] is False
     assert all(v["met"] is None for v in evaluate_targets(cells[:1]).values())
+    lines = {target: (verdict, detail) for target, verdict, detail in _target_lines({"targets": t})}
+    assert lines[TARGETS["auto_ge_plain_at_c_ge_16"]] == ("MISSED", "c=16 T=0: 0.98x (missed)")
+    verdict, detail = lines[TARGETS["auto_tok_s_ge_0.97x_best_of_plain_and_fixed_k"]]
+    assert verdict == "met" and "(missed)" not in detail
 
 
 def test_repeats_pool_throughput_and_keep_the_median_runs_latencies():

@@ -380,9 +380,10 @@ def _verdict(met: bool | None) -> str:
 def _target_lines(results: dict[str, Any]) -> list[list[str]]:
     rows = []
     for t in results["targets"].values():
-        detail = "; ".join(
+        detail = "; ".join(  # every check, the failing ones marked: a verdict alone hides which
             f"c={x['concurrency']} T={x['temperature']:g}: {x['ratio']:.2f}x"
             + (f" vs {x['rival']}" if "rival" in x else "")
+            + ("" if x["met"] else " (missed)")
             for x in t["checks"]
             if x.get("ratio") is not None
         )
