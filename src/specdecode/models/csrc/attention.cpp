@@ -361,8 +361,8 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
   float* y = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t group = hq / hkv;
-  // A unit is a block of rows and the query heads of one KV head (a share of those heads only
-  // when there are fewer units than threads). It passes over the keys, then the values, a tile of
+  // A unit is a block of rows and the query heads of one KV head (a share of those heads where
+  // that evens out the threads' work: head_split). It passes over the keys, then the values, a tile of
   // positions at a time, and every row and head of the unit works on a tile while it sits in L1,
   // so one layer's cache is read from memory once per unit. (A unit per row, or per half of a
   // KV head's heads, read it once per row or per half: 1.2-1.5x the time on a Zen 4 with the
@@ -370,7 +370,8 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
   // dot is its own chain, the max is exact and each output element still sums over the row's
   // positions in order, so where the tiles fall cannot change a row's result.
   const int64_t stride = end + 16;  // between two heads' scores
-  const int64_t fit = std::clamp<int64_t>(SCORE_BYTES / (group * stride * static_cast<int64_t>(sizeof(float))), 1, ROW_BLOCK);
+  const int64_t row_bytes = group * stride * static_cast<int64_t>(sizeof(float));  // a row's scores
+  const int64_t fit = std::clamp<int64_t>(SCORE_BYTES / row_bytes, 1, ROW_BLOCK);
   const int64_t blocks = (n + fit - 1) / fit, each = (n + blocks - 1) / blocks;
   const int64_t units = blocks * hkv, split = head_split(units, group, at::get_num_threads());
   const int64_t per = (group + split - 1) / split;
