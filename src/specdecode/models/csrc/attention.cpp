@@ -397,46 +397,40 @@ torch::Tensor attend_rows(const torch::Tensor& qkv, const torch::Tensor& cos, co
           if (allowed[i * end + p]) s[m[r]++] = p;
         row_seen[r] = s;
       }
-      // row r's next run of seen positions below p1: [cur[r], returned)
-      auto next = [&](int64_t r, int64_t p1) {
-        int64_t t = cur[r];
-        while (t < m[r] && row_seen[r][t] < p1) ++t;
-        return t;
+      // f(r, t0, t1) for row r's run [t0, t1) of seen positions in each tile, tile after tile
+      auto each_run = [&](auto&& f) {
+        std::fill(cur.begin(), cur.end(), 0);
+        for (int64_t p0 = 0; p0 < end; p0 += TILE)
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t t0 = cur[r];
+            while (cur[r] < m[r] && row_seen[r][cur[r]] < p0 + TILE) ++cur[r];
+            if (cur[r] > t0) f(r, t0, cur[r]);
+          }
       };
       std::fill(top.begin(), top.end(), -INFINITY);
-      std::fill(cur.begin(), cur.end(), 0);
-      for (int64_t p0 = 0; p0 < end; p0 += TILE) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t t0 = cur[r], t1 = cur[r] = next(r, p0 + TILE);
-          if (t0 == t1) continue;
-          const float* qh = qr + ((i0 + r) * hq + h0) * d;
-          float* sr = score.data() + r * per * stride;
-          float* tr = top.data() + r * per;
-          int64_t h = 0;
-          for (; h + 2 <= hn; h += 2)
-            scores2(qh + h * d, qh + (h + 1) * d, kg, row_seen[r], t0, t1, d, scale, tr + h, sr + h * stride,
-                    sr + (h + 1) * stride);
-          for (; h < hn; ++h) tr[h] = scores(qh + h * d, kg, row_seen[r], t0, t1, d, scale, tr[h], sr + h * stride);
-        }
-      }
+      each_run([&](int64_t r, int64_t t0, int64_t t1) {
+        const float* qh = qr + ((i0 + r) * hq + h0) * d;
+        float* sr = score.data() + r * per * stride;
+        float* tr = top.data() + r * per;
+        int64_t h = 0;
+        for (; h + 2 <= hn; h += 2)
+          scores2(qh + h * d, qh + (h + 1) * d, kg, row_seen[r], t0, t1, d, scale, tr + h, sr + h * stride,
+                  sr + (h + 1) * stride);
+        for (; h < hn; ++h) tr[h] = scores(qh + h * d, kg, row_seen[r], t0, t1, d, scale, tr[h], sr + h * stride);
+      });
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t h = 0; h < hn; ++h)
           inv[r * per + h] = 1.0f / exp_sum(score.data() + (r * per + h) * stride, m[r], top[r * per + h]);
         std::fill(y + ((i0 + r) * hq + h0) * d, y + ((i0 + r) * hq + h0 + hn) * d, 0.0f);
       }
-      std::fill(cur.begin(), cur.end(), 0);
-      for (int64_t p0 = 0; p0 < end; p0 += TILE) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t t0 = cur[r], t1 = cur[r] = next(r, p0 + TILE);
-          if (t0 == t1) continue;
-          const float* sr = score.data() + r * per * stride;
-          float* o = y + ((i0 + r) * hq + h0) * d;
-          int64_t h = 0;
-          for (; h + 2 <= hn; h += 2)
-            mix2(sr + h * stride, sr + (h + 1) * stride, row_seen[r], t0, t1, vg, d, o + h * d, o + (h + 1) * d);
-          for (; h < hn; ++h) mix(sr + h * stride, row_seen[r], t0, t1, vg, d, o + h * d);
-        }
-      }
+      each_run([&](int64_t r, int64_t t0, int64_t t1) {
+        const float* sr = score.data() + r * per * stride;
+        float* o = y + ((i0 + r) * hq + h0) * d;
+        int64_t h = 0;
+        for (; h + 2 <= hn; h += 2)
+          mix2(sr + h * stride, sr + (h + 1) * stride, row_seen[r], t0, t1, vg, d, o + h * d, o + (h + 1) * d);
+        for (; h < hn; ++h) mix(sr + h * stride, row_seen[r], t0, t1, vg, d, o + h * d);
+      });
       for (int64_t r = 0; r < rows; ++r) {
         float* o = y + ((i0 + r) * hq + h0) * d;
         for (int64_t j = 0; j < hn * d; ++j) o[j] *= inv[r * per + j / d];
