@@ -266,7 +266,7 @@ def _row(
             c_time = _sum(common, "prefill_s") + p_tok / pred
             p_time = _sum(base, "prefill_s") + p_tok / pred_plain
             row["predicted_speedup"] = p_time / c_time
-    if cell["temperature"] == 0 and cell["method"] != "none" and common:
+    if is_greedy(cell["temperature"]) and cell["method"] != "none" and common:
         row["greedy_match"] = _div(
             sum(r["token_ids"] == plain[r["prompt_id"]]["token_ids"] for r in common), len(common)
         )
