@@ -96,15 +96,16 @@ def save_tiny_llama(path, seed: int = 0, layers: int = 2) -> None:
     tok.save_pretrained(path)
 
 
-def tiny_native(vocab: int = 6, seed: int = 0, layers: int = 2):
-    """The same tiny random Llama as :func:`tiny_llama`, run by the native backend."""
+def tiny_native(vocab: int = 6, seed: int = 0, layers: int = 2, pack: bool = True):
+    """The same tiny random Llama as :func:`tiny_llama`, run by the native backend (``pack``:
+    its matrices prepacked for oneDNN where that works, as a loaded model's are)."""
     import tempfile
 
     from specdecode.models.native import NativeCausalLM
 
     folder = tempfile.mkdtemp(prefix="specdecode-tiny-")
     tiny_llama(vocab=vocab, seed=seed, layers=layers).model.save_pretrained(folder)
-    return NativeCausalLM.from_pretrained(folder)
+    return NativeCausalLM.from_pretrained(folder, pack=pack)
 
 
 def greedy_draft_lengths(make_proposer, thresholds, k: int = 6) -> list[int]:

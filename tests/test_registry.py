@@ -147,10 +147,11 @@ def test_built_in_options_match_the_proposers():
         "ngram": keywords(NgramProposer),
         "suffix": keywords(SuffixProposer),
         "lookahead": keywords(LookaheadProposer),
-        "draft": draft_model | {"dtype"},
+        "draft": draft_model | {"dtype", "vocab"},  # vocab: the builder cuts the draft's head
         "xtok": keywords(CrossTokenizerProposer) | {"dtype"},
         # the rest of its options go to DraftModelProposer, but for a window: it reads the target's cache
-        "early-exit": keywords(EarlyExitProposer) | draft_model - {"prompt_window"},
+        # and its head is the target's own, whole: no context columns to add
+        "early-exit": keywords(EarlyExitProposer) | draft_model - {"prompt_window", "context_vocab"},
         "eagle": keywords(EagleProposer, skip={"head"}),
         "medusa": keywords(MedusaProposer, skip={"heads"}),
         "none": set(),

@@ -52,11 +52,15 @@ def build_lookahead(target: LoadedModel | None, draft: DraftArg = None, **option
 def build_draft(target: LoadedModel, draft: DraftArg = None, **options: Any) -> Proposer:
     """A draft model sharing the target's tokenizer: ``draft`` (loaded, a path, or a folder from
     ``specdecode train draft-model``), else the distilled draft shipped for the target."""
+    from specdecode.models.native import with_draft_vocab
     from specdecode.networks.draft_model import is_distilled, load_distilled, shipped_draft
     from specdecode.proposers.draft_model import DraftModelProposer
 
+    vocab = options.pop("vocab", 0)
     if draft is None or (not isinstance(draft, LoadedModel) and is_distilled(draft)):
         # The distilled draft shipped for this target, or one from `specdecode train draft-model`.
+        if vocab:
+            raise ConfigError("vocab cuts a draft model's own head; a distilled draft has its trained one")
         options.pop("dtype", None)  # it runs in the target's dtype, on the target's own layers
         model = shipped_draft(target.model, target.source) if draft is None else load_distilled(target.model, draft)[0]
         return DraftModelProposer(model, **options)
@@ -64,6 +68,8 @@ def build_draft(target: LoadedModel, draft: DraftArg = None, **options: Any) -> 
     if not isinstance(draft, LoadedModel):
         draft = load_draft(draft, target.dtype, dtype)
     check_compatible(target, draft)
+    if vocab:  # built once here, shared by every request (each adds its context's tokens)
+        draft = with_draft_vocab(draft, vocab, "vocab")
     return DraftModelProposer(draft.model, **options)
 
 

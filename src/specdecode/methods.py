@@ -198,7 +198,8 @@ _B = "specdecode.builders:"
 _DRAFT_MODEL = {"max_length", "confidence_threshold", "branch", "static_tree"}  # DraftModelProposer's
 _HEAD = {"path", "branch", "confidence_threshold"}  # EAGLE / Medusa: path = a trained folder
 _OWN_READ = {"prompt_window"}  # a draft with its own cache (not early-exit's, which shares the target's)
-_TRAINED_OPTIONS = _DRAFT_MODEL | _OWN_READ | {"dtype"} | _HEAD  # what the hybrid passes on to its drafter
+_OWN_HEAD = {"vocab", "context_vocab"}  # a draft model's head cut to N ids (+ each request's context's)
+_TRAINED_OPTIONS = _DRAFT_MODEL | _OWN_READ | _OWN_HEAD | {"dtype"} | _HEAD  # the hybrid's drafter's
 
 for _spec in (
     MethodSpec(
@@ -212,7 +213,7 @@ for _spec in (
     MethodSpec(
         "draft",
         _B + "build_draft",
-        _DRAFT_MODEL | _OWN_READ | {"dtype"},
+        _DRAFT_MODEL | _OWN_READ | _OWN_HEAD | {"dtype"},
         trained=True,
         confidence=True,
         uses_draft=True,

@@ -171,6 +171,38 @@ def test_native_draft_model_is_exact():
     assert conformance_pvalue(target, DraftModelProposer(draft), sampling, k=2, n_new=3) > ALPHA
 
 
+def _cut_native_draft():
+    """A native draft whose head keeps tokens 0 and 1: each request adds the others its context
+    holds (PROMPT's 2 and 3 at once, 4 once committed), so a round's q covers a growing set."""
+    from helpers import tiny_native
+    from specdecode.models.native import restrict_output
+
+    target = tiny_native(vocab=5, seed=0)
+    draft = restrict_output(tiny_native(vocab=5, seed=1, layers=1, pack=False), torch.tensor([0, 1]))
+    assert draft.caps.columns
+    return target, draft
+
+
+def test_native_draft_with_a_cut_head_and_its_contexts_tokens_is_exact():
+    target, draft = _cut_native_draft()
+    sampling = SamplingConfig(temperature=1.0)
+    assert conformance_pvalue(target, DraftModelProposer(draft), sampling, k=2, n_new=3) > ALPHA
+
+
+def test_a_cut_draft_reporting_q_without_its_contexts_columns_is_caught():
+    """Drawing over the context's columns but reporting q over the static head alone (renormalised
+    there) is the bug this path invites; the same test rejects it."""
+    from specdecode.core.sampling import to_vocab
+
+    class Forgets(DraftModelProposer):
+        def _reported(self, q):
+            static = q[..., : len(self.vocab_ids)]
+            return to_vocab(static / static.sum(-1, keepdim=True), self.vocab_ids, self.model.vocab_size)
+
+    target, draft = _cut_native_draft()
+    assert conformance_pvalue(target, Forgets(draft), SAMPLINGS["t1.0"], k=2, n_new=3) < ALPHA
+
+
 def test_native_early_exit_is_exact():
     from helpers import tiny_native
     from specdecode.proposers.early_exit import EarlyExitProposer

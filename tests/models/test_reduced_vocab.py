@@ -78,8 +78,93 @@ def test_with_draft_vocab_checks_its_input(tiny):
         with_draft_vocab(LoadedModel(object(), None, "x"), 8)
 
 
+@pytest.mark.parametrize("dtype,quant", [(torch.float32, None), (torch.bfloat16, "int8"), (torch.bfloat16, "int4")])
+def test_a_cut_head_scores_any_other_token_like_the_full_head(tiny, dtype, quant):
+    """``head_rows`` + ``column_logits`` give the full model's logit of a token the cut lacks:
+    to float rounding for a float head, within the activations' int8 rounding for a quantized one."""
+    full = NativeCausalLM.from_pretrained(tiny, dtype=dtype, quant=quant, pack=False)
+    cut = restrict_output(full, IDS)
+    assert cut.caps.columns and not full.caps.columns
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
+    logits, hidden = full.forward(ids, full.new_cache(16), return_hidden=True)  # [1, 9, 96], [9, hidden]
+    others = torch.tensor([3, 50, 95])
+    got = cut.column_logits(hidden, cut.head_rows(others))  # [9, 3]
+    want = logits[0][:, others]
+    tol = 1e-5 if quant is None else 2e-2
+    assert got.shape == (9, 3) and (got - want).abs().max() <= tol * want.abs().max()
+
+
+def test_a_prepacked_untied_float_head_offers_no_columns(tiny):
+    full = NativeCausalLM.from_pretrained(tiny)  # fp32, prepacked for oneDNN where that works
+    if full.weights.linear is torch.nn.functional.linear:
+        pytest.skip("oneDNN packing unavailable here: the head is readable")
+    assert not restrict_output(full, IDS).caps.columns
+
+
+def _masked_greedy_chain(model, context: list[int], allowed: set[int], k: int) -> list[int]:
+    """The greedy chain of ``model`` (full head) restricted to ``allowed`` tokens."""
+    mask = torch.full((model.vocab_size,), float("-inf"))
+    mask[sorted(allowed)] = 0
+    cache, chain, feed = model.new_cache(64), [], list(context)
+    for _ in range(k):
+        logits = model.forward(torch.tensor([feed]), cache, last_only=True)[0, -1]
+        chain.append(int((logits + mask).argmax()))
+        feed = chain[-1:]
+    return chain
+
+
+@pytest.mark.parametrize("context_vocab", [True, False])
+def test_a_cut_draft_drafts_its_contexts_own_tokens(tiny, context_vocab):
+    """With ``context_vocab`` a cut draft drafts over its kept ids plus every token of its own
+    context (here ids above the cut that the prompt repeats), alone and in a batch; without,
+    over the kept ids only."""
+    from specdecode.core.sampling import SamplingConfig
+
+    full = NativeCausalLM.from_pretrained(tiny, pack=False)
+    cut = restrict_output(full, torch.arange(0, 48))
+    prompts = [[60, 70, 80, 60, 70, 80, 60, 70], [90, 91, 3, 90, 91, 3, 90]]
+    greedy = SamplingConfig()
+    template = DraftModelProposer(cut, context_vocab=context_vocab)
+    states = []
+    for p in prompts:
+        allowed = set(range(48)) | (set(p) if context_vocab else set())
+        state = template.start(p)
+        assert state.propose(p, 4, greedy, None).tokens[0].tolist() == _masked_greedy_chain(full, p, allowed, 4)
+        states.append(template.start(p))
+    batch = template.propose_batch(states, prompts, [4, 4], [greedy, greedy], [None, None])
+    alone = [template.start(p).propose(p, 4, greedy, None).tokens[0].tolist() for p in prompts]
+    assert [d.tokens[0].tolist() for d in batch] == alone
+    assert template.extra is None  # the columns are the request's, never the shared proposer's
+    assert sorted(states[0].extra.ids if context_vocab else []) == ([60, 70, 80] if context_vocab else [])
+
+
+def test_the_vocab_option_cuts_a_loaded_drafts_head_once(tiny):
+    """``draft:vocab=N`` (and a hybrid's drafter) builds the cut model once, shared by every
+    request; a bad count or a distilled draft is a ConfigError naming the option."""
+    from helpers import byte_tokenizer
+    from specdecode.api import make_proposer
+
+    tok = byte_tokenizer()
+    target = LoadedModel(NativeCausalLM.from_pretrained(tiny), tok, str(tiny))
+    draft = LoadedModel(NativeCausalLM.from_pretrained(tiny, pack=False), tok, str(tiny))
+    proposer = make_proposer("draft", target, draft, vocab=48)
+    assert torch.equal(proposer.model.vocab_ids, torch.arange(48)) and proposer.model.caps.columns
+    assert proposer.start([1, 2, 3]).model is proposer.model
+    hybrid = make_proposer("hybrid", target, draft, vocab=48, context_vocab=False)
+    assert hybrid.drafter.model.vocab_size == 96 and hybrid.drafter._outside is None
+    for bad in (True, 97, "8"):
+        with pytest.raises(ConfigError, match="vocab must be 1..96"):
+            make_proposer("draft", target, draft, vocab=bad)
+
+
+def test_context_vocab_must_be_a_bool(tiny):
+    cut = restrict_output(NativeCausalLM.from_pretrained(tiny, pack=False), IDS)
+    with pytest.raises(ConfigError, match="context_vocab must be true or false"):
+        DraftModelProposer(cut, context_vocab="yes")
+
+
 def test_a_reduced_vocabulary_draft_is_greedy_identical_alone_and_in_a_batch(tiny):
-    target = NativeCausalLM.from_pretrained(tiny)
+    target = NativeCausalLM.from_pretrained(tiny, pack=False)  # readable head: context columns on
     draft = restrict_output(target, torch.arange(0, 48))  # the target itself, cut to half its tokens
     prompts = [[3, 9, 27, 81, 3, 9], [5, 5, 5, 7], [1, 2, 3, 4, 1, 2, 3]]
     cfg = GenerationConfig(max_new_tokens=16)

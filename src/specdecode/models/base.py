@@ -30,6 +30,10 @@ class ModelCaps:
     # chunk's) costs that much less than a row that scores its token (a decode or verify row):
     # on a step bound by arithmetic (many rows), 18% of a scoring row for the Qwen 1.5B.
     head_share: float = 0.0
+    # A reduced output vocabulary (``vocab_ids``: logit column j scores token ``vocab_ids[j]``)
+    # that also scores other tokens on demand: ``head_rows(ids)`` gives their rows of the full
+    # head, ``column_logits(hidden, rows)`` their logits from ``return_hidden``'s features.
+    columns: bool = False
 
 
 @runtime_checkable

@@ -1053,14 +1053,37 @@ class ReducedVocabLM(NativeCausalLM):
     """A native model whose logits cover only ``vocab_ids``: column j scores token ``vocab_ids[j]``.
 
     Inputs and ``vocab_size`` stay in the full vocabulary; a draft proposer maps drafts back and
-    reports q as zero outside ``vocab_ids`` (exactly the distribution it drew from).
+    reports q as zero outside ``vocab_ids`` (exactly the distribution it drew from). Where the
+    full head's rows can be read one by one (``caps.columns``), any other token can be scored
+    too: a draft adds the tokens of its own request's context (:meth:`head_rows`,
+    :meth:`column_logits`), which a static cut misses most (names, identifiers).
     """
 
     def __init__(
-        self, config: NativeConfig, weights: Weights, vocab_ids: torch.Tensor, dtype: torch.dtype, **kw: Any
+        self,
+        config: NativeConfig,
+        weights: Weights,
+        vocab_ids: torch.Tensor,
+        dtype: torch.dtype,
+        full_head: Any = None,
+        **kw: Any,
     ) -> None:
         super().__init__(config, weights, dtype, **kw)
         self.vocab_ids = vocab_ids
+        self._full_head = full_head if full_head is not None and can_embed(full_head) else None
+        self.caps = dataclasses.replace(self.caps, columns=self._full_head is not None)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The full head's rows for token ``ids`` [m] (float32 [m, hidden]); ``caps.columns`` only."""
+        if self._full_head is None:
+            raise ValueError("this model's full head cannot be read by rows (caps.columns is off)")
+        return embed_rows(self._full_head, ids.reshape(-1)).reshape(-1, self.config.hidden_size)
+
+    def column_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [n, m] of the tokens whose head rows are ``rows`` [m, hidden] (from
+        :meth:`head_rows`), at pre-norm last-layer features ``hidden`` [n, hidden]
+        (``return_hidden``'s): the head's own final norm, then a plain matmul."""
+        return _norm(hidden.float().contiguous(), self.weights.norm, self._dims).float() @ rows.t()
 
 
 def frequent_ids(n: int, vocab_size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
@@ -1087,18 +1110,24 @@ def restrict_output(model: NativeCausalLM, vocab_ids: torch.Tensor) -> ReducedVo
     ids = torch.as_tensor(vocab_ids, dtype=torch.long).reshape(-1)
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= model.vocab_size:
         raise ValueError(f"vocab_ids must be non-empty ids below {model.vocab_size}")
+    w = model.weights
+    # The rows a tied model embeds with are its head's; an untied head is read where not prepacked.
+    full = w.embed if model.config.tie_word_embeddings else w.lm_head if w.linear is not _mkldnn_linear else None
     head = dataclasses.replace(model.weights, lm_head=_head_rows(model, ids))
-    return ReducedVocabLM(model.config, head, ids, model.dtype, row_exact=model._dims.row_exact, quant=model.quant)
+    return ReducedVocabLM(
+        model.config, head, ids, model.dtype, full_head=full, row_exact=model._dims.row_exact, quant=model.quant
+    )
 
 
-def with_draft_vocab(draft: LoadedModel, n: int) -> LoadedModel:
+def with_draft_vocab(draft: LoadedModel, n: int, name: str = "--draft-vocab") -> LoadedModel:
     """A loaded draft model whose logits cover its ``n`` most common tokens (:func:`frequent_ids`,
-    plus its end-of-sequence ids); ConfigError for a model off the native path or a bad ``n``."""
+    plus its end-of-sequence ids); ConfigError naming ``name`` for a model off the native path,
+    one already cut, or a bad ``n``."""
     model = draft.model
-    if not isinstance(model, NativeCausalLM):
-        raise ConfigError("--draft-vocab needs a draft model on the native backend")
-    if not isinstance(n, int) or not 1 <= n <= model.vocab_size:
-        raise ConfigError(f"--draft-vocab must be 1..{model.vocab_size} (the draft's vocabulary), got {n!r}")
+    if not isinstance(model, NativeCausalLM) or isinstance(model, ReducedVocabLM):
+        raise ConfigError(f"{name} needs a draft model on the native backend with its full head")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= model.vocab_size:
+        raise ConfigError(f"{name} must be 1..{model.vocab_size} (the draft's vocabulary), got {n!r}")
     ids = frequent_ids(n, model.vocab_size, draft.eos_token_ids)
     return dataclasses.replace(draft, model=restrict_output(model, ids))
 
