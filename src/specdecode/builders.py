@@ -52,11 +52,11 @@ def build_lookahead(target: LoadedModel | None, draft: DraftArg = None, **option
 def build_draft(target: LoadedModel, draft: DraftArg = None, **options: Any) -> Proposer:
     """A draft model sharing the target's tokenizer: ``draft`` (loaded, a path, or a folder from
     ``specdecode train draft-model``), else the distilled draft shipped for the target."""
-    from specdecode.models.native import with_draft_vocab
+    from specdecode.models.native import default_draft_vocab, with_draft_vocab
     from specdecode.networks.draft_model import is_distilled, load_distilled, shipped_draft
     from specdecode.proposers.draft_model import DraftModelProposer
 
-    vocab = options.pop("vocab", 0)
+    vocab = options.pop("vocab", None)  # None: default_draft_vocab's cut for a loaded draft; 0: none
     if draft is None or (not isinstance(draft, LoadedModel) and is_distilled(draft)):
         # The distilled draft shipped for this target, or one from `specdecode train draft-model`.
         if vocab:
@@ -68,6 +68,8 @@ def build_draft(target: LoadedModel, draft: DraftArg = None, **options: Any) -> 
     if not isinstance(draft, LoadedModel):
         draft = load_draft(draft, target.dtype, dtype)
     check_compatible(target, draft)
+    if vocab is None:  # a static cut alone costs acceptance: only with the context's tokens
+        vocab = default_draft_vocab(draft.model) if options.get("context_vocab", True) is True else 0
     if vocab:  # built once here, shared by every request (each adds its context's tokens)
         draft = with_draft_vocab(draft, vocab, "vocab")
     return DraftModelProposer(draft.model, **options)

@@ -149,13 +149,13 @@ def test_sampled_run_accepts_plausibly(pair, prompts):
 
 def test_a_draft_cut_to_its_common_tokens_stays_exact_and_agrees(pair, prompts, plain):
     """The 0.5B with its 151,936-row head cut to the 32,768 lowest ids (BPE merge order) plus
-    end-of-sequence (``vocab=32768``), each request adding its context's other tokens: greedy
+    end-of-sequence (a draft's default at this size), each request adding its context's other tokens: greedy
     output is the plain one, and the draft agrees as often as the full head's does here."""
     from specdecode.api import make_proposer
     from specdecode.models.native import ReducedVocabLM
 
     target, draft = pair
-    proposer = make_proposer("draft", target, draft, vocab=32_768)
+    proposer = make_proposer("draft", target, draft)  # the default for a draft with this many ids
     cut = proposer.model
     assert isinstance(cut, ReducedVocabLM) and cut.caps.columns
     assert cut.weights.lm_head.shape[0] == 32_768 + len(set(draft.eos_token_ids))  # ChatML's end ids lie above
@@ -164,6 +164,8 @@ def test_a_draft_cut_to_its_common_tokens_stays_exact_and_agrees(pair, prompts, 
         decoder = Decoder(target.model, proposer, 4, eos_token_ids=target.eos_token_ids)
         out = decoder.generate(prompt, CFG)
         assert out.token_ids == want
-    full = Decoder(target.model, make_proposer("draft", target, draft), 4, eos_token_ids=target.eos_token_ids)
+    whole = make_proposer("draft", target, draft, vocab=0)
+    assert whole.model is draft.model
+    full = Decoder(target.model, whole, 4, eos_token_ids=target.eos_token_ids)
     cut_run = Decoder(target.model, proposer, 4, eos_token_ids=target.eos_token_ids).generate(prompts[0], CFG)
     assert cut_run.stats["accepted_tokens"] >= full.generate(prompts[0], CFG).stats["accepted_tokens"] - 2

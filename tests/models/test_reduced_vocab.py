@@ -4,6 +4,7 @@ speculating over the reduced vocabulary leaves greedy output token-identical."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -155,6 +156,24 @@ def test_the_vocab_option_cuts_a_loaded_drafts_head_once(tiny):
     for bad in (True, 97, "8"):
         with pytest.raises(ConfigError, match="vocab must be 1..96"):
             make_proposer("draft", target, draft, vocab=bad)
+
+
+def test_a_draft_over_twice_the_default_cut_gets_it_by_default(tiny):
+    """The default cut needs many ids and a head readable by rows (for the context's columns):
+    never for a small vocabulary, a model already cut, or a prepacked untied float head."""
+    from specdecode.models import native
+
+    small = NativeCausalLM.from_pretrained(tiny, pack=False)
+    assert native.default_draft_vocab(small) == 0  # 96 ids
+    big = dataclasses.replace(small.config, vocab_size=2 * native.DEFAULT_DRAFT_VOCAB + 1)
+    model = NativeCausalLM.__new__(NativeCausalLM)  # a big model's shape, on the tiny one's weights
+    model.vocab_size, model.config, model.weights = big.vocab_size, big, small.weights
+    assert native.default_draft_vocab(model) == native.DEFAULT_DRAFT_VOCAB
+    packed = NativeCausalLM.from_pretrained(tiny)
+    if packed.weights.linear is not torch.nn.functional.linear:  # untied and prepacked: no columns
+        model.weights = packed.weights
+        assert native.default_draft_vocab(model) == 0
+    assert native.default_draft_vocab(restrict_output(small, IDS)) == 0
 
 
 def test_context_vocab_must_be_a_bool(tiny):
