@@ -1110,10 +1110,8 @@ def restrict_output(model: NativeCausalLM, vocab_ids: torch.Tensor) -> ReducedVo
     ids = torch.as_tensor(vocab_ids, dtype=torch.long).reshape(-1)
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= model.vocab_size:
         raise ValueError(f"vocab_ids must be non-empty ids below {model.vocab_size}")
-    w = model.weights
-    # The rows a tied model embeds with are its head's; an untied head is read where not prepacked.
-    full = w.embed if model.config.tie_word_embeddings else w.lm_head if w.linear is not _mkldnn_linear else None
     head = dataclasses.replace(model.weights, lm_head=_head_rows(model, ids))
+    full = _readable_head(model)
     return ReducedVocabLM(
         model.config, head, ids, model.dtype, full_head=full, row_exact=model._dims.row_exact, quant=model.quant
     )
@@ -1132,10 +1130,17 @@ def default_draft_vocab(model: Any) -> int:
         return 0
     if model.vocab_size <= 2 * DEFAULT_DRAFT_VOCAB:
         return 0
+    head = _readable_head(model)
+    return DEFAULT_DRAFT_VOCAB if head is not None and can_embed(head) else 0
+
+
+def _readable_head(model: NativeCausalLM) -> Any:
+    """The full head as rows :func:`embed_rows` can read (a tied model's embedding table, an
+    untied head unless prepacked for oneDNN), or None."""
     w = model.weights
-    head = w.embed if model.config.tie_word_embeddings else w.lm_head
-    readable = can_embed(head) and (model.config.tie_word_embeddings or w.linear is not _mkldnn_linear)
-    return DEFAULT_DRAFT_VOCAB if readable else 0
+    if model.config.tie_word_embeddings:
+        return w.embed
+    return w.lm_head if w.linear is not _mkldnn_linear else None
 
 
 def with_draft_vocab(draft: LoadedModel, n: int, name: str = "--draft-vocab") -> LoadedModel:
