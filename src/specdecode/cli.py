@@ -93,7 +93,8 @@ def _generate_parser(sub: Any) -> None:
         "--draft-vocab",
         type=_positive_int,
         default=None,
-        help="the --draft model's logits over its N most common tokens only (methods draft, hybrid)",
+        help="the --draft model's head cut to its N most common tokens plus each request's context's (methods draft, "
+        "hybrid; default 32768 for a draft over 65536 ids)",
     )
     p.add_argument(
         "--k",

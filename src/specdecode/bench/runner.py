@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-vocab",
         type=int,
         default=None,
-        help="the --draft model's logits over its N most common tokens only (a smaller head per draft step)",
+        help="the --draft model's head cut to its N most common tokens plus each request's context's, for "
+        "every draft cell (default 32768 for a draft over 65536 ids; or a cell's own vocab=N option instead)",
     )
     p.add_argument("--backend", choices=["auto", "native", "transformers"], default="auto")
     p.add_argument(

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-vocab",
         type=_positive(int),
         default=None,
-        help="the draft model's logits over its N most common tokens only",
+        help="the draft model's head cut to its N most common tokens plus each request's context's "
+        "(default 32768 for a draft over 65536 ids)",
     )
     p.add_argument(
         "--dtype",
