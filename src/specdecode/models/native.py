@@ -1070,8 +1070,8 @@ class ReducedVocabLM(NativeCausalLM):
     ) -> None:
         super().__init__(config, weights, dtype, **kw)
         self.vocab_ids = vocab_ids
-        self._full_head = full_head if full_head is not None and can_embed(full_head) else None
-        self.caps = dataclasses.replace(self.caps, columns=self._full_head is not None)
+        self._full_head = full_head  # rows embed_rows can read (restrict_output's _readable_head), or None
+        self.caps = dataclasses.replace(self.caps, columns=full_head is not None)
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The full head's rows for token ``ids`` [m] (float32 [m, hidden]); ``caps.columns`` only."""
@@ -1130,17 +1130,15 @@ def default_draft_vocab(model: Any) -> int:
         return 0
     if model.vocab_size <= 2 * DEFAULT_DRAFT_VOCAB:
         return 0
-    head = _readable_head(model)
-    return DEFAULT_DRAFT_VOCAB if head is not None and can_embed(head) else 0
+    return DEFAULT_DRAFT_VOCAB if _readable_head(model) is not None else 0
 
 
 def _readable_head(model: NativeCausalLM) -> Any:
     """The full head as rows :func:`embed_rows` can read (a tied model's embedding table, an
-    untied head unless prepacked for oneDNN), or None."""
+    untied head unless prepacked for oneDNN; either with readable rows if quantized), or None."""
     w = model.weights
-    if model.config.tie_word_embeddings:
-        return w.embed
-    return w.lm_head if w.linear is not _mkldnn_linear else None
+    head = w.embed if model.config.tie_word_embeddings else w.lm_head if w.linear is not _mkldnn_linear else None
+    return head if head is not None and can_embed(head) else None
 
 
 def with_draft_vocab(draft: LoadedModel, n: int, name: str = "--draft-vocab") -> LoadedModel:

@@ -98,7 +98,7 @@ class DraftModelProposer(PerRequest):
         self.skipped = (SINK, SINK + cut) if self.prompt_window and cut > 0 else (0, 0)
         self.cache = self.model.new_cache(min(self.max_length, len(prompt_ids) - self.dropped + 512))
         self.first_read = self._view(prompt_ids)[:-1]  # priced every step until read: built once
-        self.extra = None if self._outside is None else _ContextColumns(self.model, self._outside)
+        self.extra = None if self._outside is None else _ContextColumns(self.model, self._outside, self.vocab_ids)
         self.columns = self.vocab_ids
         self.cached = []
         self.agreed = 0
@@ -186,7 +186,7 @@ class DraftModelProposer(PerRequest):
         """Start a round on the committed ``context``: the columns its logits will have."""
         if self.extra is not None:
             self.extra.learn(context)
-            self.columns = self.extra.columns(self.vocab_ids)
+            self.columns = self.extra.columns
 
     def _forward(self, ids: torch.Tensor, **kw) -> torch.Tensor:
         """Feed ``ids`` [1, n] to the cache (``kw``: positions, attn_mask, last_only); logits
@@ -283,9 +283,10 @@ class _ContextColumns:
     """One request's extra logit columns: every token of its context a reduced head lacks,
     with that token's row of the full head (read once, when first seen)."""
 
-    def __init__(self, model: CausalLM, outside: torch.Tensor) -> None:
-        self.model, self.outside = model, outside  # outside: [vocab] bool, shared
+    def __init__(self, model: CausalLM, outside: torch.Tensor, static: torch.Tensor) -> None:
+        self.model, self.outside, self.static = model, outside, static  # shared: [vocab] bool, [S]
         self.ids: list[int] = []
+        self.columns = static  # the token id of each logit column [S + m]: rebuilt only as ids grow
         self.rows = torch.empty(0)  # [len(ids), hidden] float32
         self.scanned = 0  # the context's tokens looked at so far (a committed context only grows)
         self._seen: set[int] = set()
@@ -300,10 +301,7 @@ class _ContextColumns:
             rows = self.model.head_rows(torch.tensor(new, dtype=torch.long))
             self.rows = rows if not self.ids else torch.cat([self.rows, rows])
             self.ids.extend(new)
-
-    def columns(self, static: torch.Tensor) -> torch.Tensor:
-        """The token id of each logit column: the reduced head's, then this request's [S + m]."""
-        return static if not self.ids else torch.cat([static, torch.tensor(self.ids, dtype=torch.long)])
+            self.columns = torch.cat([self.static, torch.tensor(self.ids, dtype=torch.long)])
 
     def extend(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``logits`` [n, S] of the reduced head with this request's columns appended [n, S + m],
